@@ -1,0 +1,1 @@
+"""Benchmarks that print a table and write JSON under bench/results/."""

@@ -1,0 +1,1 @@
+"""FineWeb-Edu to packed, resumable token batches (filled by the data work, issue 5)."""

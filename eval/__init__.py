@@ -1,0 +1,1 @@
+"""Evaluation: lm-eval, RULER, cloze retrieval, throughput, overwrite diagnostics."""

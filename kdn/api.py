@@ -1,0 +1,305 @@
+"""The public functional API of KDN (SPEC §1–6).
+
+``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences
+(``cu_seqlens``) and dispatch to a backend: ``"torch"`` (chunked PyTorch, any device) or
+``"triton"`` (CUDA kernels). Computation is in FP32 (float64 when given float64); outputs come
+back in ``v``'s dtype, states in the compute dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kdn import chunk as _chunk
+from kdn import gain as _gain
+from kdn import naive as _naive
+from kdn._validate import check_cu_seqlens, check_shape, check_values
+
+State = tuple[Tensor, Tensor]
+BACKENDS = ("torch", "triton")
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _mu_tensor(mu: float | Tensor | None, H: int, K: int, like: Tensor) -> Tensor:
+    """``mu`` as an ``[H]`` tensor in ``like``'s dtype; default ``K``."""
+    if mu is None:
+        mu = float(K)
+    if isinstance(mu, Tensor):
+        if mu.dim() == 0:
+            mu = mu.expand(H)
+        check_shape("mu", mu, (H,), "H")
+        return mu.to(like.dtype)
+    if not isinstance(mu, (int, float)):
+        raise ValueError(f"mu must be a positive float or an [H] tensor, got {type(mu).__name__}")
+    return torch.full((H,), float(mu), dtype=like.dtype, device=like.device)
+
+
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, isotropic: bool
+) -> tuple[int, int, int, int, int]:
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [B,T,H,K] tensor, got shape {getattr(q, 'shape', None)}")
+    B, T, H, K = q.shape
+    if T == 0:
+        raise ValueError("q has T=0 tokens; pass at least one token")
+    check_shape("k", k, (B, T, H, K), "B,T,H,K")
+    if not isinstance(v, Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v has shape {list(getattr(v, 'shape', []))}, expected [B,T,H,V] = [{B}, {T}, {H}, V]")
+    check_shape("g", g, (B, T, H, K), "B,T,H,K")
+    if isotropic:
+        check_shape("omega", omega, (B, T, H), "B,T,H")
+    else:
+        check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
+    check_shape("r", r, (B, T, H), "B,T,H")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("omega", omega), ("r", r)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    return B, T, H, K, v.shape[-1]
+
+
+def _resolve_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
+    if backend == "triton" and (device.type != "cuda" or not _triton_available()):
+        raise ValueError("backend='triton' needs CUDA tensors and the kdn Triton kernels; use backend='torch'")
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        from kdn import triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run(
+    kind: str,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
+    mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
+    cu_seqlens: Tensor | None, backend: str | None,
+) -> tuple[Tensor, State | None]:
+    isotropic = kind == "isotropic"
+    B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
+    n_seq = B
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, T, B)
+        n_seq = cu_seqlens.numel() - 1
+    dt = _compute_dtype(v)
+    mu_t = _mu_tensor(mu, H, K, q.to(dt))
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise ValueError("initial_state must be a pair (S [N,H,K,V], p [N,H,K] or b [N,H])")
+        S0, p0 = initial_state
+        check_shape("initial_state[0] (S)", S0, (n_seq, H, K, V), "N,H,K,V")
+        if isotropic:
+            check_shape("initial_state[1] (b)", p0, (n_seq, H), "N,H")
+        else:
+            check_shape("initial_state[1] (p)", p0, (n_seq, H, K), "N,H,K")
+    else:
+        S0 = q.new_zeros(n_seq, H, K, V, dtype=dt)
+        p0 = q.new_ones((n_seq, H) if isotropic else (n_seq, H, K), dtype=dt)
+    check_values(
+        {"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t,
+         "initial_state[0] (S)": S0, "initial_state[1] (p/b)": p0},
+        nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu", "initial_state[1] (p/b)"),
+    )
+    backend = _resolve_backend(backend, q.device)
+    if backend == "triton":
+        from kdn import triton_ops
+
+        fn: Callable = triton_ops.isotropic_kdn if isotropic else triton_ops.diagonal_kdn
+    else:
+        fn = _torch_isotropic if isotropic else _torch_diagonal
+    args = [x.to(dt) for x in (q, k, v, g, omega, r)]
+    state = (S0.to(dt), p0.to(dt))
+    if cu_seqlens is None:
+        o, final = fn(*args, mu_t, state)
+    else:
+        o, final = _varlen(fn, args, mu_t, state, cu_seqlens)
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: State, cu_seqlens: Tensor) -> tuple[Tensor, State]:
+    """Unpack ``[1, T]`` packed sequences into a right-padded batch and back.
+
+    Padding steps are exact identities (zero key and value, ``g = 0``, ``omega = 0``, ``r = 1``), so
+    each sequence's final state is read after its last real token.
+    """
+    offsets = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    L = max(max(lengths), 1)
+    pad_value = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # q, k, v, g, omega, r
+    batched = []
+    for x, fill in zip(args, pad_value):
+        seqs = [x[0, a:b] for a, b in zip(offsets, offsets[1:])]
+        batched.append(torch.stack([
+            torch.cat([s, s.new_full((L - s.shape[0], *s.shape[1:]), fill)], 0) for s in seqs
+        ]))
+    o, final = fn(*batched, mu, state)
+    o = torch.cat([o[i, :n] for i, n in enumerate(lengths)], 0)[None]
+    return o, final
+
+
+def _torch_diagonal(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
+) -> tuple[Tensor, State]:
+    kappa, p = _gain.diagonal_gain(k, g, omega, r, mu, state[1])
+    o, S = _chunk.memory_chunk(q, k, kappa, v, g, state[0])
+    return o, (S, p)
+
+
+def _torch_isotropic(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
+) -> tuple[Tensor, State]:
+    beta, b = _gain.isotropic_gain(k, g, omega, r, mu, state[1])
+    o, S = _chunk.memory_chunk(q, k, beta[..., None] * k, v, g, state[0])
+    return o, (S, b)
+
+
+def diagonal_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, *,
+    mu: float | Tensor | None = None,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, State | None]:
+    """Diagonal KDN (SPEC §3).
+
+    Args: ``q, k, g, omega: [B,T,H,K]``; ``v: [B,T,H,V]``; ``r: [B,T,H]``; ``mu``: float or ``[H]``
+    (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``);
+    ``cu_seqlens``: ``[N+1]`` offsets of packed sequences (``B = 1``).
+    Returns ``o [B,T,H,V]`` and, if asked, the final ``(S, p)``.
+    """
+    return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def isotropic_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, *,
+    mu: float | Tensor | None = None,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, State | None]:
+    """Isotropic KDN (SPEC §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
+    return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def _gain_common(
+    isotropic: bool, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: float | Tensor | None,
+    initial_state: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if not isinstance(k, Tensor) or k.dim() != 4:
+        raise ValueError(f"k must be a [B,T,H,K] tensor, got shape {getattr(k, 'shape', None)}")
+    B, T, H, K = k.shape
+    check_shape("g", g, (B, T, H, K), "B,T,H,K")
+    if isotropic:
+        check_shape("omega", omega, (B, T, H), "B,T,H")
+    else:
+        check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
+    check_shape("r", r, (B, T, H), "B,T,H")
+    dt = _compute_dtype(k)
+    mu_t = _mu_tensor(mu, H, K, k.to(dt))
+    if initial_state is None:
+        p0 = k.new_ones((B, H) if isotropic else (B, H, K), dtype=dt)
+    else:
+        check_shape("initial_state", initial_state, (B, H) if isotropic else (B, H, K),
+                    "B,H" if isotropic else "B,H,K")
+        p0 = initial_state.to(dt)
+    check_values({"k": k, "g": g, "omega": omega, "r": r, "mu": mu_t, "initial_state": p0},
+                 nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu", "initial_state"))
+    return k.to(dt), g.to(dt), omega.to(dt), r.to(dt), mu_t, p0
+
+
+def diagonal_kdn_gain(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Diagonal KDN gains alone: ``kappa [B,T,H,K]`` and, if asked, the final ``p [B,H,K]``."""
+    kappa, p = _gain.diagonal_gain(*_gain_common(False, k, g, omega, r, mu, initial_state))
+    return kappa, (p if output_final_state else None)
+
+
+def isotropic_kdn_gain(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Isotropic KDN gains alone: ``beta [B,T,H]`` (``kappa = beta k``) and the final ``b [B,H]``."""
+    beta, b = _gain.isotropic_gain(*_gain_common(True, k, g, omega, r, mu, initial_state))
+    return beta, (b if output_final_state else None)
+
+
+def _step(
+    isotropic: bool, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
+    state: State, mu: float | Tensor | None,
+) -> tuple[Tensor, State]:
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a one-token [B,H,K] tensor, got shape {getattr(q, 'shape', None)}")
+    B, H, K = q.shape
+    check_shape("k", k, (B, H, K), "B,H,K")
+    check_shape("g", g, (B, H, K), "B,H,K")
+    if not isinstance(v, Tensor) or v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"v must be [B,H,V] = [{B}, {H}, V], got {list(getattr(v, 'shape', []))}")
+    check_shape("omega", omega, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
+    check_shape("r", r, (B, H), "B,H")
+    S, p = state
+    check_shape("state[0] (S)", S, (B, H, K, v.shape[-1]), "B,H,K,V")
+    check_shape("state[1]", p, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
+    dt = _compute_dtype(v)
+    mu_t = _mu_tensor(mu, H, K, q.to(dt))
+    check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t},
+                 nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu"))
+    fn = _naive.isotropic_kdn_step_ref if isotropic else _naive.diagonal_kdn_step_ref
+    o, new = fn(*(x.to(dt) for x in (q, k, v, g, omega, r)), (S.to(dt), p.to(dt)), mu_t)
+    return o.to(v.dtype), new
+
+
+def diagonal_kdn_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
+    mu: float | Tensor | None = None,
+) -> tuple[Tensor, State]:
+    """One decoding token of Diagonal KDN: ``q, k, g, omega [B,H,K]``, ``v [B,H,V]``, ``r [B,H]``,
+    ``state = (S [B,H,K,V], p [B,H,K])``. Returns ``o [B,H,V]`` and the new state."""
+    return _step(False, q, k, v, g, omega, r, state, mu)
+
+
+def isotropic_kdn_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
+    mu: float | Tensor | None = None,
+) -> tuple[Tensor, State]:
+    """One decoding token of Isotropic KDN: ``omega, r [B,H]``, ``state = (S, b [B,H])``."""
+    return _step(True, q, k, v, g, omega, r, state, mu)
+
+
+def exact_kalman_memory(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, *,
+    initial_state: State | None = None, output_final_state: bool = False,
+) -> tuple[Tensor, State | None]:
+    """Exact Kalman associative memory with dense covariance (SPEC §2), O(K^2) state per head.
+
+    ``omega [B,T,H,K]`` is the diagonal of the process noise; state ``(S [B,H,K,V], P [B,H,K,K])``,
+    default ``S = 0``, ``P = I``. A reference: token-by-token, for tests and small probes.
+    """
+    B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic=False)
+    dt = _compute_dtype(v)
+    if initial_state is None:
+        S0 = q.new_zeros(B, H, K, V, dtype=dt)
+        P0 = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
+    else:
+        S0, P0 = initial_state
+        check_shape("initial_state[0] (S)", S0, (B, H, K, V), "B,H,K,V")
+        check_shape("initial_state[1] (P)", P0, (B, H, K, K), "B,H,K,K")
+    check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r},
+                 nonpositive=("g",), nonnegative=("omega",), positive=("r",))
+    o, final = _naive.exact_kalman_recurrent(
+        *(x.to(dt) for x in (q, k, v, g, omega, r)), (S0.to(dt), P0.to(dt)))
+    return o.to(v.dtype), (final if output_final_state else None)

@@ -1,0 +1,153 @@
+"""Diagonal and Isotropic KDN mixers as ``nn.Module``s (SPEC §5).
+
+Both share KDA's front end (``kdn.modules.DeltaFrontEnd``) and differ only in the shape of the
+process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kdn import api
+from kdn.cache import RecurrentCache
+from kdn.modules import DeltaFrontEnd, inv_softplus, low_rank
+
+MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
+NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
+R_MIN = 0.01
+
+
+class _KalmanDelta(nn.Module):
+    isotropic: bool = False
+
+    def __init__(
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
+        mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
+        conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if noise not in NOISE_CHOICES:
+            raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {noise!r}")
+        if isinstance(mu, str) and mu not in MU_CHOICES:
+            raise ValueError(f"mu must be one of {MU_CHOICES} or a positive float, got {mu!r}")
+        if not isinstance(mu, str) and not float(mu) > 0:
+            raise ValueError(f"mu must be > 0, got {mu}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.layer_idx, self.backend, self.noise, self.mu_choice = layer_idx, backend, noise, mu
+        H, K = num_heads, head_dim
+        self.front = DeltaFrontEnd(hidden_size, H, K, conv_size=conv_size, alpha_param=alpha_param,
+                                   norm_eps=norm_eps)
+        if noise == "learned":
+            self.r_proj = nn.Linear(hidden_size, H, bias=True)
+            nn.init.zeros_(self.r_proj.bias)
+        if noise != "fixed_r_omega":
+            self.omega_proj = (nn.Linear(hidden_size, H, bias=True) if self.isotropic
+                               else low_rank(hidden_size, K, H * K, bias=True))
+            last = self.omega_proj if self.isotropic else self.omega_proj[-1]
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
+        # initial precision 0.1 + softplus(theta), initialised to 1
+        self.prior_theta = nn.Parameter(inv_softplus(torch.full((H,), 0.9)))
+        self.prior_theta._no_weight_decay = True
+        if mu == "learned":
+            self.log_mu = nn.Parameter(torch.full((H,), math.log(K)))
+            self.log_mu._no_weight_decay = True
+
+    def mu(self) -> float | Tensor:
+        """The information scale: a float, or an ``[H]`` tensor when learned."""
+        K = self.head_dim
+        if self.mu_choice == "learned":
+            return self.log_mu.float().exp()
+        return {"1": 1.0, "sqrt": math.sqrt(K), "dk": float(K), "4dk": 4.0 * K}.get(
+            self.mu_choice, self.mu_choice)  # type: ignore[arg-type]
+
+    def noise_terms(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32."""
+        B, T = x.shape[:2]
+        H, K = self.num_heads, self.head_dim
+        shape = (B, T, H) if self.isotropic else (B, T, H, K)
+        if self.noise == "fixed_r_omega":
+            omega = x.new_ones(shape, dtype=torch.float32)
+        else:
+            omega = F.softplus(self.omega_proj(x).float()).view(shape)
+        if self.noise == "learned":
+            r = R_MIN + F.softplus(self.r_proj(x).float())
+        else:
+            r = x.new_ones(B, T, H, dtype=torch.float32)
+        return omega, r
+
+    def initial_uncertainty(self, n: int) -> Tensor:
+        """``p0 [n,H,K]`` (diagonal) or ``b0 [n,H]`` (isotropic): the inverse learned precision."""
+        p0 = 1.0 / (0.1 + F.softplus(self.prior_theta.float()))
+        return p0.expand(n, -1) if self.isotropic else p0[:, None].expand(n, -1, self.head_dim)
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+        past_key_values: RecurrentCache | None = None, use_cache: bool = False,
+        cu_seqlens: Tensor | None = None, output_beta_eff: bool = False, **kwargs: object,
+    ) -> tuple[Tensor, Tensor | None, RecurrentCache | None]:
+        """``hidden_states [B, T, d_model]``; ``attention_mask [B, T']`` (1 = token, 0 = padding; its
+        last ``T`` columns are used). Returns the output ``[B, T, d_model]``, ``beta_eff [B, T, H]``
+        if asked, and the cache."""
+        x = hidden_states
+        B, T, _ = x.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(
+                    f"attention_mask must be [B, >=T] = [{B}, >={T}] of 0/1, got {list(attention_mask.shape)}")
+            mask = attention_mask[:, -T:].to(torch.bool)
+            x = x * mask[..., None].to(x.dtype)
+        last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
+        q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)
+        g = self.front.log_retention(x)
+        omega, r = self.noise_terms(x)
+        if mask is not None:  # padded tokens are identity steps: no write, no decay, no noise
+            m = mask[..., None, None]
+            k = k * m
+            g = g * m
+            omega = omega * (mask[..., None] if self.isotropic else m)
+        q = q * self.head_dim ** -0.5
+        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if last is not None:
+            state = last["recurrent"]
+        else:
+            S0 = x.new_zeros(n_seq, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32)
+            state = (S0, self.initial_uncertainty(n_seq))
+        fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
+        o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state,
+                      output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend)
+        beta_eff = None
+        if output_beta_eff:
+            beta_eff = self.beta_eff(k, g, omega, r, state[1])
+        if use_cache:
+            if past_key_values is None:
+                past_key_values = RecurrentCache()
+            past_key_values.update(self.layer_idx, recurrent=final, conv=conv)
+        return self.front.output(o.to(x.dtype), x), beta_eff, past_key_values
+
+    def beta_eff(self, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, u0: Tensor) -> Tensor:
+        """Effective write strength ``k^T kappa`` per token, ``[B, T, H]`` (ignores packing)."""
+        kf = k.float()
+        if self.isotropic:
+            beta, _ = api.isotropic_kdn_gain(kf, g, omega, r, mu=self.mu(), initial_state=u0)
+            return beta * (kf * kf).sum(-1)
+        kappa, _ = api.diagonal_kdn_gain(kf, g, omega, r, mu=self.mu(), initial_state=u0)
+        return (kf * kappa).sum(-1)
+
+
+class DiagonalKDN(_KalmanDelta):
+    """Diagonal KDN: ``K`` uncertainty scalars per head, per-channel process noise (low-rank)."""
+
+    isotropic = False
+
+
+class IsotropicKDN(_KalmanDelta):
+    """Isotropic KDN: one uncertainty scalar per head, per-head process noise."""
+
+    isotropic = True

@@ -1,0 +1,157 @@
+"""The front end shared by KDN and the delta-rule mixers (SPEC §5, KDA's parametrisation).
+
+Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
+and the sigmoid-gated RMSNorm output. Pure PyTorch: it runs on every device, handles padding
+masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def inv_softplus(y: Tensor | float) -> Tensor:
+    """The ``x`` with ``softplus(x) = y`` (``y > 0``)."""
+    y = torch.as_tensor(y, dtype=torch.float32)
+    return y + torch.log(-torch.expm1(-y))
+
+
+def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) -> Tensor:
+    """Index of each token inside its own sequence, ``[B, T]`` (packed: resets at each offset)."""
+    pos = torch.arange(T, device=device).expand(B, T)
+    if cu_seqlens is None:
+        return pos
+    starts = cu_seqlens[:-1].to(device)
+    seq_id = torch.searchsorted(cu_seqlens[1:].to(device), torch.arange(T, device=device), right=True)
+    return (pos - starts[seq_id])[None].expand(B, T)
+
+
+class ShortConv(nn.Conv1d):
+    """Causal depthwise conv (width ``W``) + SiLU over ``[B, T, D]``; weights as fla's ``[D, 1, W]``.
+
+    ``cache [B, D, W-1]`` holds the previous inputs for decoding; packed sequences never see across
+    their boundaries.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4) -> None:
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False, padding=0)
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, cache: Tensor | None = None, cu_seqlens: Tensor | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        hist = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
+        xx = torch.cat([hist, x], 1)  # [B, W-1+T, D]
+        w = self.weight[:, 0, :]  # [D, W]; w[:, W-1] multiplies the current token
+        if cu_seqlens is None:
+            y = F.conv1d(xx.transpose(1, 2), self.weight, groups=D).transpose(1, 2)
+        else:
+            pos = positions_in_sequence(B, T, cu_seqlens, x.device)
+            y = x * w[:, W - 1]
+            for lag in range(1, W):
+                y = y + xx[:, W - 1 - lag: W - 1 - lag + T] * w[:, W - 1 - lag] * (pos >= lag)[..., None]
+        new_cache = xx[:, -(W - 1):].transpose(1, 2).contiguous() if output_final_state else None
+        return F.silu(y), new_cache
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm whose output is multiplied by ``sigmoid(gate)``; ``x, gate: [..., D]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:
+    """``d_in -> rank -> d_out`` linear bottleneck (no nonlinearity), as KDA's gate projections."""
+    return nn.Sequential(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=bias))
+
+
+class DeltaFrontEnd(nn.Module):
+    """Projections, short convs, retention gate and gated output norm of a delta-rule mixer.
+
+    Shapes: input ``x [B, T, d_model]``; ``q, k, g: [B, T, H, K]``; ``v: [B, T, H, V]``.
+    ``alpha_param``: ``"kda"`` (``g = -exp(A_log) softplus(f(x) + dt_bias)``) or ``"sigmoid"``
+    (``g = logsigmoid(f(x) + bias)``, initialised to the same retention distribution).
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1.0,
+        conv_size: int = 4, alpha_param: str = "kda", norm_eps: float = 1e-5, gate: str = "channel",
+    ) -> None:
+        super().__init__()
+        if alpha_param not in ("kda", "sigmoid"):
+            raise ValueError(f"alpha_param must be 'kda' or 'sigmoid', got {alpha_param!r}")
+        if gate not in ("channel", "head", "none"):
+            raise ValueError(f"gate must be 'channel', 'head' or 'none', got {gate!r}")
+        self.H, self.K = num_heads, head_dim
+        self.V = int(head_dim * expand_v)
+        self.alpha_param, self.gate = alpha_param, gate
+        key_dim, value_dim = self.H * self.K, self.H * self.V
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.q_conv1d = ShortConv(key_dim, conv_size)
+        self.k_conv1d = ShortConv(key_dim, conv_size)
+        self.v_conv1d = ShortConv(value_dim, conv_size)
+        if gate != "none":
+            gate_dim = key_dim if gate == "channel" else self.H
+            self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else nn.Linear(
+                hidden_size, gate_dim, bias=False)
+            A = torch.empty(self.H).uniform_(1, 16)
+            dt = torch.exp(torch.rand(gate_dim) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            if alpha_param == "kda":
+                self.A_log = nn.Parameter(torch.log(A))
+                self.dt_bias = nn.Parameter(inv_softplus(dt))
+                self.A_log._no_weight_decay = True
+                self.dt_bias._no_weight_decay = True
+            else:
+                per = gate_dim // self.H
+                alpha0 = torch.exp(-A.repeat_interleave(per) * dt).clamp(1e-4, 1 - 1e-4)
+                self.gate_bias = nn.Parameter(torch.logit(alpha0))
+                self.gate_bias._no_weight_decay = True
+        self.g_proj = low_rank(hidden_size, self.V, value_dim, bias=True)
+        self.o_norm = GatedRMSNorm(self.V, eps=norm_eps)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    def qkv(
+        self, x: Tensor, conv_state: tuple[Tensor, Tensor, Tensor] | None = None,
+        cu_seqlens: Tensor | None = None, use_cache: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, tuple | None]:
+        """L2-normalised ``q, k`` and ``v``, each through its short conv. ``q`` is not scaled here."""
+        cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
+        q, cq = self.q_conv1d(self.q_proj(x), cq, cu_seqlens, use_cache)
+        k, ck = self.k_conv1d(self.k_proj(x), ck, cu_seqlens, use_cache)
+        v, cv = self.v_conv1d(self.v_proj(x), cv, cu_seqlens, use_cache)
+        B, T = x.shape[:2]
+        q = F.normalize(q.view(B, T, self.H, self.K).float(), dim=-1).to(x.dtype)
+        k = F.normalize(k.view(B, T, self.H, self.K).float(), dim=-1).to(x.dtype)
+        return q, k, v.view(B, T, self.H, self.V), ((cq, ck, cv) if use_cache else None)
+
+    def log_retention(self, x: Tensor) -> Tensor:
+        """``g = log(alpha) <= 0``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]`` (per head)."""
+        f = self.f_proj(x).float()
+        if self.alpha_param == "kda":
+            g = -self.A_log.float().exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
+        else:
+            g = F.logsigmoid(f + self.gate_bias)
+        B, T = x.shape[:2]
+        return g.view(B, T, self.H, -1).squeeze(-1) if self.gate == "head" else g.view(B, T, self.H, self.K)
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Gated RMSNorm per head, then the output projection. ``o: [B, T, H, V]`` -> ``[B, T, d_model]``."""
+        B, T = x.shape[:2]
+        gate = self.g_proj(x).view(B, T, self.H, self.V)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.H * self.V))

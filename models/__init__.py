@@ -1,0 +1,1 @@
+"""Backbones and baseline mixers (filled by the models work, issue 4)."""
