@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kdn import api
 from kdn.cache import RecurrentCache
-from kdn.modules import DeltaFrontEnd, inv_softplus, low_rank
+from kdn.modules import DeltaFrontEnd, inv_softplus, low_rank, upcast
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -62,7 +62,7 @@ class _KalmanDelta(nn.Module):
         """The information scale: a float, or an ``[H]`` tensor when learned."""
         K = self.head_dim
         if self.mu_choice == "learned":
-            return self.log_mu.float().exp()
+            return upcast(self.log_mu).exp()
         return {"1": 1.0, "sqrt": math.sqrt(K), "dk": float(K), "4dk": 4.0 * K}.get(
             self.mu_choice, self.mu_choice)  # type: ignore[arg-type]
 
@@ -72,18 +72,18 @@ class _KalmanDelta(nn.Module):
         H, K = self.num_heads, self.head_dim
         shape = (B, T, H) if self.isotropic else (B, T, H, K)
         if self.noise == "fixed_r_omega":
-            omega = x.new_ones(shape, dtype=torch.float32)
+            omega = upcast(x.new_ones(shape))
         else:
-            omega = F.softplus(self.omega_proj(x).float()).view(shape)
+            omega = F.softplus(upcast(self.omega_proj(x))).view(shape)
         if self.noise == "learned":
-            r = R_MIN + F.softplus(self.r_proj(x).float())
+            r = R_MIN + F.softplus(upcast(self.r_proj(x)))
         else:
-            r = x.new_ones(B, T, H, dtype=torch.float32)
+            r = upcast(x.new_ones(B, T, H))
         return omega, r
 
     def initial_uncertainty(self, n: int) -> Tensor:
         """``p0 [n,H,K]`` (diagonal) or ``b0 [n,H]`` (isotropic): the inverse learned precision."""
-        p0 = 1.0 / (0.1 + F.softplus(self.prior_theta.float()))
+        p0 = 1.0 / (0.1 + F.softplus(upcast(self.prior_theta)))
         return p0.expand(n, -1) if self.isotropic else p0[:, None].expand(n, -1, self.head_dim)
 
     def forward(
@@ -117,11 +117,16 @@ class _KalmanDelta(nn.Module):
         if last is not None:
             state = last["recurrent"]
         else:
-            S0 = x.new_zeros(n_seq, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32)
+            S0 = upcast(x.new_zeros(n_seq, self.num_heads, self.head_dim, self.head_dim))
             state = (S0, self.initial_uncertainty(n_seq))
-        fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
-        o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state,
-                      output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend)
+        if T == 1 and last is not None and cu_seqlens is None:  # decoding: one recurrent step
+            step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
+            o, final = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], omega[:, 0], r[:, 0], state, mu=self.mu())
+            o = o[:, None]
+        else:
+            fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
+            o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state,
+                          output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend)
         beta_eff = None
         if output_beta_eff:
             beta_eff = self.beta_eff(k, g, omega, r, state[1])
@@ -133,7 +138,7 @@ class _KalmanDelta(nn.Module):
 
     def beta_eff(self, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, u0: Tensor) -> Tensor:
         """Effective write strength ``k^T kappa`` per token, ``[B, T, H]`` (ignores packing)."""
-        kf = k.float()
+        kf = upcast(k)
         if self.isotropic:
             beta, _ = api.isotropic_kdn_gain(kf, g, omega, r, mu=self.mu(), initial_state=u0)
             return beta * (kf * kf).sum(-1)

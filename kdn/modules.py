@@ -20,6 +20,11 @@ def inv_softplus(y: Tensor | float) -> Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
+def upcast(x: Tensor) -> Tensor:
+    """``x`` in at least FP32 (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) -> Tensor:
     """Index of each token inside its own sequence, ``[B, T]`` (packed: resets at each offset)."""
     pos = torch.arange(T, device=device).expand(B, T)
@@ -27,7 +32,7 @@ def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: tor
         return pos
     starts = cu_seqlens[:-1].to(device)
     seq_id = torch.searchsorted(cu_seqlens[1:].to(device), torch.arange(T, device=device), right=True)
-    return (pos - starts[seq_id])[None].expand(B, T)
+    return (pos[0] - starts[seq_id]).expand(B, T)
 
 
 class ShortConv(nn.Conv1d):
@@ -69,9 +74,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+        xf = upcast(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
+        return (y * torch.sigmoid(upcast(gate))).to(x.dtype)
 
 
 def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:
@@ -136,15 +141,15 @@ class DeltaFrontEnd(nn.Module):
         k, ck = self.k_conv1d(self.k_proj(x), ck, cu_seqlens, use_cache)
         v, cv = self.v_conv1d(self.v_proj(x), cv, cu_seqlens, use_cache)
         B, T = x.shape[:2]
-        q = F.normalize(q.view(B, T, self.H, self.K).float(), dim=-1).to(x.dtype)
-        k = F.normalize(k.view(B, T, self.H, self.K).float(), dim=-1).to(x.dtype)
+        q = F.normalize(upcast(q.view(B, T, self.H, self.K)), dim=-1).to(x.dtype)
+        k = F.normalize(upcast(k.view(B, T, self.H, self.K)), dim=-1).to(x.dtype)
         return q, k, v.view(B, T, self.H, self.V), ((cq, ck, cv) if use_cache else None)
 
     def log_retention(self, x: Tensor) -> Tensor:
         """``g = log(alpha) <= 0``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]`` (per head)."""
-        f = self.f_proj(x).float()
+        f = upcast(self.f_proj(x))
         if self.alpha_param == "kda":
-            g = -self.A_log.float().exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
+            g = -upcast(self.A_log).exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
         else:
             g = F.logsigmoid(f + self.gate_bias)
         B, T = x.shape[:2]

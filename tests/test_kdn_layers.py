@@ -1,0 +1,124 @@
+"""The KDN mixers as modules: training path, causality, caching, padding, packing, options."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kdn_inputs import rel_err
+
+import kdn
+
+D, H, K = 32, 2, 16
+LAYERS = [kdn.DiagonalKDN, kdn.IsotropicKDN]
+
+
+def _layer(cls: type, **kw: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls(D, H, K, layer_idx=0, **kw).double()
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_forward_backward_reaches_every_parameter(cls: type) -> None:
+    layer = _layer(cls, mu="learned")
+    if cls is kdn.DiagonalKDN:  # the zero-initialised last omega layer blocks the first one's gradient at init
+        torch.nn.init.normal_(layer.omega_proj[-1].weight)
+    x = torch.randn(2, 40, D, dtype=torch.float64)
+    y, beta_eff, _ = layer(x, output_beta_eff=True)
+    assert y.shape == x.shape and beta_eff.shape == (2, 40, H)
+    assert beta_eff.min() >= 0 and beta_eff.max() < 1
+    y.pow(2).mean().backward()
+    missing = [n for n, p in layer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"parameters without gradient: {missing}"
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_causality(cls: type) -> None:
+    layer = _layer(cls)
+    x = torch.randn(1, 30, D, dtype=torch.float64, requires_grad=True)
+    y, _, _ = layer(x)
+    y[0, 12].sum().backward()
+    assert x.grad[0, 13:].abs().max() == 0
+    assert x.grad[0, :13].abs().sum() > 0
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_prefill_then_cached_steps_equal_full_forward(cls: type) -> None:
+    layer = _layer(cls).eval()
+    x = torch.randn(2, 25, D, dtype=torch.float64)
+    with torch.no_grad():
+        full, _, _ = layer(x)
+        out, _, cache = layer(x[:, :17], use_cache=True)
+        outs = [out]
+        for t in range(17, 25):
+            o, _, cache = layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+            outs.append(o)
+    assert rel_err(torch.cat(outs, 1), full) < 1e-12
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_left_padded_batch_equals_per_sample_runs(cls: type) -> None:
+    layer = _layer(cls).eval()
+    lengths = [20, 13, 7]
+    T = max(lengths)
+    xs = [torch.randn(1, n, D, dtype=torch.float64) for n in lengths]
+    batch = torch.randn(len(xs), T, D, dtype=torch.float64)  # garbage in the padding on purpose
+    mask = torch.zeros(len(xs), T, dtype=torch.long)
+    for i, x in enumerate(xs):
+        batch[i, T - x.shape[1]:] = x[0]
+        mask[i, T - x.shape[1]:] = 1
+    with torch.no_grad():
+        y, _, cache = layer(batch, attention_mask=mask, use_cache=True)
+        step = torch.randn(len(xs), 1, D, dtype=torch.float64)
+        mask2 = torch.cat([mask, torch.ones(len(xs), 1, dtype=torch.long)], 1)
+        y2, _, _ = layer(step, attention_mask=mask2, past_key_values=cache, use_cache=True)
+        for i, x in enumerate(xs):
+            ref, _, c = layer(x, use_cache=True)
+            assert rel_err(y[i:i + 1, T - x.shape[1]:], ref) < 1e-12
+            ref2, _, _ = layer(step[i:i + 1], past_key_values=c, use_cache=True)
+            assert rel_err(y2[i:i + 1], ref2) < 1e-12
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_packed_sequences_equal_separate_runs(cls: type) -> None:
+    layer = _layer(cls).eval()
+    lengths = [9, 30, 3]
+    xs = [torch.randn(1, n, D, dtype=torch.float64) for n in lengths]
+    cu = torch.tensor([0, 9, 39, 42])
+    with torch.no_grad():
+        y, _, _ = layer(torch.cat(xs, 1), cu_seqlens=cu)
+        for i, x in enumerate(xs):
+            ref, _, _ = layer(x)
+            assert rel_err(y[:, cu[i]:cu[i + 1]], ref) < 1e-12
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+@pytest.mark.parametrize("options", [
+    {"mu": "1"}, {"mu": "sqrt"}, {"mu": "4dk"}, {"mu": 7.5}, {"alpha_param": "sigmoid"},
+    {"noise": "fixed_r"}, {"noise": "fixed_r_omega"},
+])
+def test_options_build_and_run(cls: type, options: dict) -> None:
+    layer = _layer(cls, **options)
+    y, beta_eff, _ = layer(torch.randn(2, 10, D, dtype=torch.float64), output_beta_eff=True)
+    assert torch.isfinite(y).all() and (beta_eff < 1).all()
+    if options.get("noise") == "fixed_r_omega":
+        assert not hasattr(layer, "r_proj") and not hasattr(layer, "omega_proj")
+
+
+def test_mu_options_change_the_model() -> None:
+    x = torch.randn(1, 30, D, dtype=torch.float64)
+    outs = [_layer(kdn.DiagonalKDN, mu=mu)(x)[0] for mu in ("1", "dk")]
+    assert rel_err(outs[0], outs[1]) > 1e-4
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"mu": "huge"}, "mu must be one of"), ({"mu": -1.0}, "mu must be > 0"),
+    ({"noise": "none"}, "noise must be one of"), ({"alpha_param": "tanh"}, "alpha_param must be"),
+])
+def test_bad_options(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kdn.DiagonalKDN(D, H, K, **bad)
+
+
+def test_bad_attention_mask() -> None:
+    layer = _layer(kdn.DiagonalKDN)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        layer(torch.randn(2, 5, D, dtype=torch.float64), attention_mask=torch.ones(2, 3))

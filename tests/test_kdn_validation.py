@@ -1,0 +1,61 @@
+"""Bad input raises a ValueError that names the argument."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kdn_inputs import make_inputs
+
+import kdn
+
+
+def _set(x: dict, name: str, value: torch.Tensor) -> dict:
+    return {**x, name: value}
+
+
+@pytest.mark.parametrize("isotropic", [False, True])
+@pytest.mark.parametrize(
+    "name,mutate,match",
+    [
+        ("k", lambda t: t[:, :, :, :-1], "k has shape"),
+        ("v", lambda t: t[:, :-1], "v has shape"),
+        ("g", lambda t: t[..., :1], "g has shape"),
+        ("r", lambda t: t[..., None], "r has shape"),
+        ("omega", lambda t: t[:, 1:], "omega has shape"),
+        ("q", lambda t: t.clone().index_fill_(1, torch.tensor([3]), math.nan), "q contains NaN"),
+        ("v", lambda t: t.clone().index_fill_(1, torch.tensor([2]), math.inf), "v contains NaN or Inf"),
+        ("g", lambda t: t.clone().index_fill_(1, torch.tensor([1]), 0.5), "g .*must be <= 0"),
+        ("r", lambda t: t.clone().index_fill_(1, torch.tensor([0]), 0.0), "r must be > 0"),
+        ("omega", lambda t: t.clone().index_fill_(1, torch.tensor([4]), -0.1), "omega must be >= 0"),
+    ],
+)
+def test_bad_inputs_name_the_argument(isotropic: bool, name: str, mutate, match: str) -> None:  # noqa: ANN001
+    x = make_inputs(2, 8, 2, 4, 3, isotropic=isotropic)
+    fn = kdn.isotropic_kdn if isotropic else kdn.diagonal_kdn
+    fn(**x)  # the unmodified input is accepted
+    with pytest.raises(ValueError, match=match):
+        fn(**_set(x, name, mutate(x[name])))
+
+
+@pytest.mark.parametrize("mu", [0.0, -1.0, torch.tensor([1.0, -2.0], dtype=torch.float64)])
+def test_nonpositive_mu(mu: float | torch.Tensor) -> None:
+    x = make_inputs(1, 4, 2, 4, 3)
+    with pytest.raises(ValueError, match="mu must be > 0"):
+        kdn.diagonal_kdn(**x, mu=mu)
+
+
+def test_bad_state_and_packing() -> None:
+    x = make_inputs(1, 10, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) has shape"):
+        kdn.diagonal_kdn(**x, initial_state=(torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4)))
+    with pytest.raises(ValueError, match=r"initial_state\[1\] \(p\) has shape"):
+        kdn.diagonal_kdn(**x, initial_state=(torch.ones(1, 2, 4, 3), torch.ones(1, 2)))
+    with pytest.raises(ValueError, match="must be > 0"):
+        kdn.diagonal_kdn(**x, initial_state=(torch.ones(1, 2, 4, 3), -torch.ones(1, 2, 4)))
+    with pytest.raises(ValueError, match="end at T=10"):
+        kdn.diagonal_kdn(**x, cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="unknown backend"):
+        kdn.diagonal_kdn(**x, backend="cuda")
+    with pytest.raises(ValueError, match="triton"):
+        kdn.diagonal_kdn(**x, backend="triton")  # CPU tensors
