@@ -62,9 +62,11 @@ def _check_inputs(
     return B, T, H, K, v.shape[-1]
 
 
-def _resolve_backend(backend: str | None, device: torch.device) -> str:
+def _resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """None picks Triton for CUDA tensors below float64, PyTorch otherwise."""
     if backend is None:
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        fast = device.type == "cuda" and dtype != torch.float64 and _triton_available()
+        return "triton" if fast else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
     if backend == "triton" and (device.type != "cuda" or not _triton_available()):
@@ -111,15 +113,18 @@ def _run(
          "initial_state[0] (S)": S0, "initial_state[1] (p/b)": p0},
         nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu", "initial_state[1] (p/b)"),
     )
-    backend = _resolve_backend(backend, q.device)
+    backend = _resolve_backend(backend, q.device, dt)
     if backend == "triton":
         from kdn import triton_ops
 
         fn: Callable = triton_ops.isotropic_kdn if isotropic else triton_ops.diagonal_kdn
     else:
         fn = _torch_isotropic if isotropic else _torch_diagonal
-    args = [x.to(dt) for x in (q, k, v, g, omega, r)]
-    state = (S0.to(dt), p0.to(dt))
+    if backend == "triton":  # kernels take bf16 operands as they come and keep FP32 gates and states
+        args, state = [q, k, v, g, omega, r], (S0.float(), p0.float())
+        mu_t = mu_t.float()
+    else:
+        args, state = [x.to(dt) for x in (q, k, v, g, omega, r)], (S0.to(dt), p0.to(dt))
     if cu_seqlens is None:
         o, final = fn(*args, mu_t, state)
     else:

@@ -1,0 +1,205 @@
+"""Single-layer mixer throughput on one GPU (the paper's Fig. 4): fwd+bwd and fwd, kernel-only times.
+
+``python -m bench.mixer_throughput [--T 2048 4096 ...] [--mixers kdn_diag kda ...] [--repeats 30]``
+prints a table and writes ``bench/results/mixer_throughput.json`` (+ ``.png``). Settings follow the paper:
+d_model 2048, 16 heads x 128, batch 4, bf16; medians over ``--repeats`` timed runs after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class CausalSDPA(nn.Module):
+    """Full causal multi-head attention through ``F.scaled_dot_product_attention`` (the throughput baseline)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.H, self.D = num_heads, head_dim
+        self.qkv = nn.Linear(hidden_size, 3 * num_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, None
+
+
+def build_layer(name: str, d: int, H: int, K: int) -> nn.Module:
+    """A single mixer layer on CUDA in bf16. Raises ImportError when its kernels are not installed."""
+    import fla.layers as fl
+
+    import kdn
+
+    makers: dict[str, Callable[[], nn.Module]] = {
+        "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K),
+        "kdn_iso": lambda: kdn.IsotropicKDN(d, H, K),
+        "kda": lambda: fl.KimiDeltaAttention(hidden_size=d, num_heads=H, head_dim=K),
+        "deltanet": lambda: fl.DeltaNet(hidden_size=d, num_heads=H),
+        "gdn": lambda: fl.GatedDeltaNet(hidden_size=d, num_heads=H, head_dim=K, expand_v=1),
+        "gdn2": lambda: fl.GatedDeltaNet2(hidden_size=d, num_heads=H, head_dim=K),
+        "mamba3_siso": lambda: fl.Mamba3(hidden_size=d),
+        "attn": lambda: CausalSDPA(d, H, K),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown mixer {name!r}; known: {sorted(makers)}")
+    return makers[name]().cuda().to(torch.bfloat16)
+
+
+def kernel_fn(name: str, B: int, T: int, H: int, K: int) -> Callable[[], None] | None:
+    """The recurrent kernel alone (fwd+bwd) on layer-like inputs, for the mixers we can call directly."""
+    import kdn
+
+    dev = torch.device("cuda")
+    q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16().requires_grad_()
+    k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = (-torch.rand(B, T, H, K, device=dev) * 0.5).requires_grad_()
+    r = (torch.rand(B, T, H, device=dev) + 0.1).requires_grad_()
+    if name == "kda":
+        from fla.ops.kda import chunk_kda
+
+        beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        return lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0].sum().backward()
+    if name in ("kdn_diag", "kdn_iso"):
+        iso = name == "kdn_iso"
+        omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
+        fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
+        return lambda: fn(q, k, v, g, omega, r)[0].sum().backward()
+    return None
+
+
+def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
+    """Median wall time of ``fn`` in ms, by CUDA events, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
+    layer = build_layer(name, d, H, K)
+    n_params = sum(p.numel() for p in layer.parameters())
+    x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16)
+
+    def fwdbwd() -> None:
+        layer(x)[0].backward(dy)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            layer(x)
+
+    torch.cuda.reset_peak_memory_stats()
+    ms_fb = time_ms(fwdbwd, repeats)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ms_f = time_ms(fwd, repeats)
+    kf = kernel_fn(name, B, T, H, K)
+    ms_kernel = time_ms(kf, repeats) if kf is not None else None
+    linear_flops = 6 * n_params * B * T  # projections, fwd+bwd
+    return {
+        "mixer": name, "T": T, "ms_fwdbwd": ms_fb, "ms_fwd": ms_f, "ms_kernel_fwdbwd": ms_kernel,
+        "tokens_per_s": B * T / (ms_fb / 1e3), "peak_mem_gb": peak, "params": n_params,
+        "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
+    }
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["mixer"] for r in rows):
+        pts = [(r["T"], r["tokens_per_s"] / 1e6) for r in rows if r["mixer"] == name and "error" not in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("M tokens / s (fwd+bwd, 1 layer)")
+    ax.set_title("Mixer throughput, one H200, B=4, d=2048, bf16")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mixers", nargs="+",
+                    default=["kdn_diag", "kdn_iso", "kda", "deltanet", "gdn", "gdn2", "mamba3_siso", "attn"])
+    ap.add_argument("--T", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=RESULTS / "mixer_throughput.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.mixer_throughput needs a CUDA device")
+    d, H, K = 2048, 16, 128
+    rows = []
+    for T in args.T:
+        for name in args.mixers:
+            try:
+                row = measure(name, args.batch, T, d, H, K, args.repeats)
+            except (ImportError, RuntimeError, AssertionError) as e:  # kernels missing or not supported here
+                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    import fla
+    import triton
+
+    header = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "fla": fla.__version__, "date": datetime.date.today().isoformat(), "batch": args.batch,
+        "d_model": d, "heads": H, "head_dim": K, "dtype": "bfloat16", "repeats": args.repeats,
+    }
+    write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
+    print(f"\n{'mixer':<12}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
+          f"{'x KDA':>7}{'peak GB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mixer']:<12}{r['T']:>7}  {r['error'][:70]}")
+            continue
+        kern = f"{r['ms_kernel_fwdbwd']:.2f}" if r["ms_kernel_fwdbwd"] is not None else "-"
+        ratio = r["tokens_per_s"] / ref[r["T"]] if r["T"] in ref else math.nan
+        print(f"{r['mixer']:<12}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{kern:>11}"
+              f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
