@@ -1,0 +1,279 @@
+"""Typed schema of the Hydra config tree (``conf/``) and its validation.
+
+``load_config(dict_config)`` merges the composed config into the dataclasses below and checks every
+value; any problem raises ``ConfigError`` with one line that names the key, e.g.
+``trainer.max_stepz: unknown key (did you mean 'max_steps'?)``. ``derive_budget`` turns the token
+budget and global batch into optimiser steps, gradient accumulation and warm-up.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.preemption import parse_signal
+
+KDN_MIXERS = ("kdn_diag", "kdn_iso")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line starting with the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    size: str = "small"  # models.model_config size: toy, small, 100m, 750m, 1.3b
+    overrides: dict[str, Any] = field(default_factory=dict)  # extra KDNConfig fields, e.g. {num_layers: 2}
+
+
+@dataclass
+class MixerConfig:
+    name: str = "kdn_diag"  # a models.MIXERS key
+    mu: str | None = None  # KDN only: 1, sqrt, dk, 4dk, learned, or a positive number
+    noise: str | None = None  # KDN only: learned, fixed_r, fixed_r_omega
+    alpha_param: str | None = None  # KDN only: kda (default gate) or sigmoid
+    kwargs: dict[str, Any] = field(default_factory=dict)  # any other mixer keyword argument
+
+
+@dataclass
+class BackboneConfig:
+    pattern: str = "recurrent"  # recurrent, hybrid_swa, or a layer string
+    window: int = 2048  # sliding-window attention width (hybrid_swa, attn)
+
+
+@dataclass
+class DataConfig:
+    prepare: dict[str, Any] = field(default_factory=dict)  # data.PrepareConfig fields
+    seq_len: int = 256
+    varlen: bool = False  # pack documents with cu_seqlens (state resets at boundaries)
+    seed: int = 0  # one data seed shared by every mixer of a comparison
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 4e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_frac: float = 0.01  # of the optimiser steps (= of the token budget)
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak
+
+
+@dataclass
+class TrainerConfig:
+    token_budget: int = 20_000_000
+    global_batch_tokens: int = 4096  # tokens per optimiser step over all processes
+    micro_batch_size: int = 8  # sequences per process per forward
+    max_steps: int | None = None  # overrides the token budget
+    stop_after: int | None = None  # save and exit 0 after this step; the schedule keeps the full budget
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    ckpt_every: int = 100  # 0: only at the end and on preemption
+    keep_last: int = 2
+    distributed: str = "ddp"  # ddp or fsdp (FSDP2 through accelerate)
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bf16, fp32
+    device: str = "auto"  # auto, cpu, cuda
+    compile: bool = False  # torch.compile through accelerate's dynamo plugin
+    peak_flops: float | None = None  # per-device FLOP/s for MFU; auto for known GPUs in bf16
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    export: bool = True  # write <run_dir>/hf at the end
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline, online, disabled
+    project: str = "kdn"
+    entity: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    progress: bool = True  # tqdm line on a terminal, else a log line every log_every steps
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    runs_root: str = "runs"
+    run_dir: str = "runs/run"
+    seed: int = 0  # model initialisation
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mixer: MixerConfig = field(default_factory=MixerConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Step arithmetic derived from the token budget and the batch (SPEC §8)."""
+
+    total_steps: int
+    grad_accum: int
+    warmup_steps: int
+    tokens_per_step: int
+
+
+def derive_budget(cfg: TrainConfig, world_size: int) -> Budget:
+    """Optimiser steps, gradient accumulation and warm-up; ``ConfigError`` if the batch does not split."""
+    t = cfg.trainer
+    per_micro = t.micro_batch_size * cfg.data.seq_len * world_size
+    if t.global_batch_tokens % per_micro:
+        raise ConfigError(
+            f"trainer.global_batch_tokens: {t.global_batch_tokens} is not a multiple of micro_batch_size x "
+            f"seq_len x world_size = {t.micro_batch_size} x {cfg.data.seq_len} x {world_size} = {per_micro}; "
+            "change trainer.global_batch_tokens or trainer.micro_batch_size")
+    steps = t.max_steps if t.max_steps is not None else t.token_budget // t.global_batch_tokens
+    if steps < 1:
+        raise ConfigError(
+            f"trainer.token_budget: {t.token_budget} tokens is less than one global batch "
+            f"({t.global_batch_tokens}); raise the budget or set trainer.max_steps")
+    return Budget(total_steps=steps, grad_accum=t.global_batch_tokens // per_micro,
+                  warmup_steps=math.ceil(cfg.optim.warmup_frac * steps), tokens_per_step=t.global_batch_tokens)
+
+
+def _first_line(e: OmegaConfBaseException) -> str:
+    return str(getattr(e, "msg", e)).splitlines()[0]
+
+
+def _unknown_key_hint(full_key: str) -> str:
+    parts = full_key.split(".")
+    node: Any = TrainConfig
+    for p in parts[:-1]:
+        hints = {f.name: f for f in fields(node)} if is_dataclass(node) else {}
+        if p not in hints or not isinstance(hints[p].default_factory, type):
+            return ""
+        node = hints[p].default_factory
+    names = [f.name for f in fields(node)] if is_dataclass(node) else []
+    close = difflib.get_close_matches(parts[-1], names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(names)})"
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
+    _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def mixer_kwargs(m: MixerConfig) -> dict[str, Any]:
+    """The ``mixer_kwargs`` passed to ``models.model_config``: the set KDN fields plus ``kwargs``.
+
+    ``mu`` stays a string when it names a choice (``"1"``, ``"dk"``...) and becomes a float otherwise."""
+    out = dict(m.kwargs)
+    for key in ("mu", "noise", "alpha_param"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    if "mu" in out:
+        from kdn.layers import MU_CHOICES
+
+        out["mu"] = out["mu"] if out["mu"] in MU_CHOICES else float(out["mu"])
+    return out
+
+
+def _check_mixer(m: MixerConfig) -> None:
+    from kdn.layers import MU_CHOICES, NOISE_CHOICES
+    from models import MIXERS
+
+    _choice(m.name, "mixer.name", sorted(MIXERS))
+    for key in ("mu", "noise", "alpha_param"):
+        if getattr(m, key) is not None and m.name not in KDN_MIXERS:
+            raise ConfigError(f"mixer.{key}: only the KDN mixers ({', '.join(KDN_MIXERS)}) take it, "
+                              f"mixer.name is {m.name!r}")
+    if m.mu is not None and m.mu not in MU_CHOICES:
+        try:
+            mu = float(m.mu)
+        except ValueError:
+            mu = float("nan")
+        _require(mu > 0, "mixer.mu", f"{m.mu!r} is neither one of {', '.join(MU_CHOICES)} nor a positive number")
+    if m.noise is not None:
+        _choice(m.noise, "mixer.noise", NOISE_CHOICES)
+    if m.alpha_param is not None:
+        _choice(m.alpha_param, "mixer.alpha_param", ("kda", "sigmoid"))
+
+
+def _check_numbers(c: TrainConfig) -> None:
+    o, t = c.optim, c.trainer
+    _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"must be two numbers in [0, 1), got {o.betas}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _require(o.grad_clip > 0, "optim.grad_clip", f"must be > 0, got {o.grad_clip}")
+    _require(0 <= o.warmup_frac < 1, "optim.warmup_frac", f"must be in [0, 1), got {o.warmup_frac}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    for key in ("token_budget", "global_batch_tokens", "micro_batch_size", "eval_batches", "keep_last"):
+        _require(getattr(t, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(t, key)}")
+    for key in ("max_steps", "stop_after"):
+        value = getattr(t, key)
+        _require(value is None or value >= 1, f"trainer.{key}", f"must be >= 1 or null, got {value}")
+    for key in ("eval_every", "ckpt_every"):
+        _require(getattr(t, key) >= 0, f"trainer.{key}", f"must be >= 0 (0 = only at the end), got {getattr(t, key)}")
+    _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be > 0 or null, got {t.peak_flops}")
+    _choice(t.distributed, "trainer.distributed", ("ddp", "fsdp"))
+    _choice(t.precision, "trainer.precision", ("auto", "bf16", "fp32"))
+    _choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
+    for i, s in enumerate(t.preempt_signals):
+        try:
+            parse_signal(s)
+        except ValueError as e:
+            raise ConfigError(f"trainer.preempt_signals[{i}]: {e}") from None
+    _require(c.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {c.data.seq_len}")
+    _require(c.backbone.window >= 1, "backbone.window", f"must be >= 1, got {c.backbone.window}")
+    _require(c.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {c.logging.log_every}")
+    _choice(c.logging.wandb.mode, "logging.wandb.mode", ("offline", "online", "disabled"))
+
+
+def _check_data(d: DataConfig) -> None:
+    from data import PrepareConfig
+
+    known = {f.name for f in fields(PrepareConfig)}
+    for key in d.prepare:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (PrepareConfig fields: {', '.join(sorted(known))})"
+            raise ConfigError(f"data.prepare.{key}: unknown key{hint}")
+
+
+def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
+    """``models.model_config`` for this run; ``ConfigError`` naming the model keys on a bad combination."""
+    from models import model_config
+
+    try:
+        return model_config(c.model.size, c.mixer.name, c.backbone.pattern, vocab_size,
+                            window=c.backbone.window, mixer_kwargs=mixer_kwargs(c.mixer), **c.model.overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model/mixer/backbone: {str(e).splitlines()[0]}") from None
+
+
+def load_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
+    """Validate a composed config; return the typed ``TrainConfig`` or raise a one-line ``ConfigError``."""
+    raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
+        c: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        msg = _first_line(e)
+        if msg.startswith("Key ") and "not in" in msg:
+            msg = "unknown key" + _unknown_key_hint(key)
+        raise ConfigError(f"{key}: {msg}") from None
+    _check_numbers(c)
+    _check_mixer(c.mixer)
+    _check_data(c.data)
+    build_model_config(c, vocab_size=32000)
+    derive_budget(c, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return c

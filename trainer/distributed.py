@@ -1,0 +1,55 @@
+"""Device, precision and process group: one ``Accelerator`` for CPU, one GPU, DDP or FSDP2."""
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+
+from trainer.config import ConfigError, TrainerConfig
+
+
+def export_slurm_env() -> None:
+    """Under ``srun`` with several tasks (sbatch template, Hydra submitit launcher) and no launcher
+    variables set, export ``RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT`` from SLURM's."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "RANK" not in os.environ:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def resolve_device(t: TrainerConfig) -> tuple[bool, str]:
+    """``(use_cpu, precision)`` with ``precision`` in ``{"bf16", "fp32"}`` (auto: bf16 on GPU, fp32 on CPU)."""
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device: 'cuda' requested but no CUDA device is visible; use auto or cpu")
+    cpu = t.device == "cpu" or not torch.cuda.is_available()
+    precision = ("fp32" if cpu else "bf16") if t.precision == "auto" else t.precision
+    if t.distributed == "fsdp" and cpu:
+        raise ConfigError("trainer.distributed: fsdp needs CUDA devices; use ddp on the CPU")
+    return cpu, precision
+
+
+def world_size(t: TrainerConfig) -> int:
+    """Number of data-parallel processes (initialises the process group when launched distributed)."""
+    export_slurm_env()
+    cpu, _ = resolve_device(t)
+    return PartialState(cpu=cpu).num_processes
+
+
+def build_accelerator(t: TrainerConfig, grad_accum: int) -> tuple[Accelerator, str]:
+    """The run's ``Accelerator`` (DDP or FSDP2, bf16 autocast or FP32, optional ``torch.compile``)
+    and the resolved precision."""
+    cpu, precision = resolve_device(t)
+    fsdp = None
+    if t.distributed == "fsdp":
+        # wraps each block listed in the model's ``_no_split_modules``; sharded checkpoints
+        fsdp = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+            state_dict_type="SHARDED_STATE_DICT")
+    if not cpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    accelerator = Accelerator(
+        cpu=cpu, mixed_precision="bf16" if precision == "bf16" else "no", gradient_accumulation_steps=grad_accum,
+        fsdp_plugin=fsdp, dynamo_backend="inductor" if t.compile else "no")
+    return accelerator, precision

@@ -1,0 +1,117 @@
+"""Metrics: JSONL always, wandb (offline unless configured online), and a console progress line.
+
+Every record is one JSON object per line in ``<run_dir>/metrics.jsonl`` with at least ``step``;
+training records add ``loss, lr, grad_norm, tokens, tokens_per_s, tokens_per_s_per_device, mfu,
+eta_s`` (and ``peak_mem_gib`` on CUDA), validation records ``val_loss``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("train")
+
+# Dense bf16 tensor-core peak per device (FLOP/s), matched by substring of the CUDA device name.
+BF16_PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A6000": 154.8e12}
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Peak FLOP/s of one device for the MFU denominator: ``override`` if given, else the bf16
+    table for known CUDA devices, else ``None`` (MFU not reported)."""
+    if override is not None:
+        return override
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
+
+
+def format_eta(seconds: float) -> str:
+    """``3725.0 -> '1:02:05'``."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop records with ``step > last_step`` (written after the checkpoint we resume from)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+class MetricLogger:
+    """Writes records on the main process only; the other processes hold a disabled logger."""
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, resume_step: int, total_steps: int, progress: bool,
+        wandb_mode: str, wandb_project: str, wandb_entity: str | None, wandb_id: str, run_name: str,
+        config: dict[str, Any],
+    ) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb_run = None
+        self.bar = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl(self.path, resume_step)
+        self.file = self.path.open("a")
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=wandb_project, entity=wandb_entity, name=run_name, id=wandb_id, resume="allow",
+                dir=str(run_dir), mode=wandb_mode, config=config)
+        if progress and sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc=run_name, dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record (JSONL, wandb) and refresh the console line if it is a training record."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                               step=record["step"])
+        if "val_loss" in record:
+            msg = f"step {record['step']} | val_loss {record['val_loss']:.4f}"
+            if self.bar is not None:
+                self.bar.write(msg)
+            else:
+                log.info(msg)
+            return
+        mfu = record.get("mfu")
+        fields = (f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                  f"tok/s {record['tokens_per_s']:,.0f} | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(fields, refresh=False)
+        else:
+            log.info(f"step {record['step']} | {fields} | eta {format_eta(record['eta_s'])}")
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step``."""
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
