@@ -117,11 +117,11 @@ class ParquetSource(DocumentSource):
             if self.text_key not in names:
                 raise ValueError(f"{f} has no column {self.text_key!r} (columns: {names}); set text_key=COLUMN "
                                  "or point paths= at FineWeb-Edu parquet files")
+            if meta.metadata.num_rows == 0:
+                raise ValueError(f"{f} has no rows; remove the empty file from paths=")
             ftype = meta.schema_arrow.field(self.text_key).type
             if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
                 raise ValueError(f"{f}: column {self.text_key!r} has type {ftype}, not string; set text_key=")
-            if meta.metadata.num_rows == 0:
-                raise ValueError(f"{f} has no rows; remove the empty file from paths=")
 
     def documents(self, start: int = 0) -> Iterator[str]:
         import pyarrow.parquet as pq
