@@ -1,0 +1,105 @@
+"""Causal softmax attention with RoPE, full or sliding-window, on ``torch.nn.functional.scaled_dot_product_attention``.
+
+A sliding window of ``W`` lets a token see itself and the ``W - 1`` previous tokens of its sequence;
+the decoding cache then keeps only the last ``W - 1`` keys and values (bounded memory). Positions
+count real tokens only, so a left-padded row gets the same positions as the unpadded sequence;
+padded keys are never attended. ``cu_seqlens`` restricts attention to each packed document and
+restarts positions at each document.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kdn.cache import RecurrentCache
+from kdn.modules import positions_in_sequence
+from models.layers.common import check_cu_seqlens, current_mask
+
+
+def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotate ``x [B, T, H, K]`` by positions ``pos [B, T]`` (half-split RoPE, base ``theta``), in FP32."""
+    K = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, K, 2, device=x.device, dtype=torch.float32) / K)
+    ang = pos.to(torch.float32)[..., None] * inv_freq  # [B, T, K/2]
+    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    xf = x.float()
+    x0, x1 = xf[..., : K // 2], xf[..., K // 2:]
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention: ``num_heads x head_dim`` heads, ``window`` (``None``: full) and RoPE."""
+
+    def __init__(
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *, window: int | None = 2048,
+        rope_theta: float = 10000.0, layer_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"window must be a positive int (sliding window) or None (full attention), got {window!r}")
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.window, self.rope_theta, self.layer_idx = window, rope_theta, layer_idx
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+        past_key_values: RecurrentCache | None = None, use_cache: bool = False,
+        cu_seqlens: Tensor | None = None, output_beta_eff: bool = False, **kwargs: object,
+    ) -> tuple[Tensor, None, RecurrentCache | None]:
+        """``hidden_states [B, T, d]`` -> ``(o [B, T, d], None, cache)``."""
+        x = hidden_states
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        mask = current_mask(attention_mask, B, T)
+        valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
+        doc = None
+        if cu_seqlens is not None:
+            if last is not None or use_cache:
+                raise ValueError("attention layers cannot decode packed sequences (cu_seqlens) with a cache; "
+                                 "use a padded batch with attention_mask for generation")
+            check_cu_seqlens(cu_seqlens, B, T)
+            pos = positions_in_sequence(B, T, cu_seqlens, x.device)
+            doc = torch.searchsorted(cu_seqlens[1:].to(x.device), torch.arange(T, device=x.device), right=True)
+            start = None
+        else:
+            start = last["next_pos"] if last is not None else torch.zeros(B, dtype=torch.long, device=x.device)
+            pos = start[:, None] + valid.long().cumsum(1) - valid.long()
+        q = apply_rope(self.q_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, H, K).transpose(1, 2)
+        k_pos, k_valid = pos, valid
+        if last is not None:
+            k, v = torch.cat([last["k"], k], 2), torch.cat([last["v"], v], 2)
+            k_pos, k_valid = torch.cat([last["pos"], pos], 1), torch.cat([last["valid"], valid], 1)
+        L = k.shape[2] - T
+        plain = last is None and mask is None and doc is None and (self.window is None or self.window >= T)
+        if plain:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            qi = torch.arange(T, device=x.device) + L
+            kj = torch.arange(L + T, device=x.device)
+            allowed = (kj[None, :] <= qi[:, None])[None] & k_valid[:, None, :]  # [B, T, L+T]
+            if self.window is not None:
+                allowed = allowed & (pos[:, :, None] - k_pos[:, None, :] < self.window)
+            if doc is not None:
+                allowed = allowed & (doc[:, None] == doc[None, :])[None]
+            allowed = allowed | (kj[None, :] == qi[:, None])[None]  # a padded query sees itself: no empty row
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        if use_cache:
+            if past_key_values is None:
+                past_key_values = RecurrentCache()
+            keep = k.shape[2] if self.window is None else min(k.shape[2], self.window - 1)
+            past_key_values.update(
+                self.layer_idx, k=k[:, :, k.shape[2] - keep:], v=v[:, :, k.shape[2] - keep:],
+                pos=k_pos[:, k_pos.shape[1] - keep:], valid=k_valid[:, k_valid.shape[1] - keep:],
+                next_pos=start + valid.long().sum(1))
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * K)), None, past_key_values

@@ -1,0 +1,309 @@
+"""The delta-rule baselines (DeltaNet, Gated DeltaNet, KDA, GDN-2) on KDN's front end.
+
+Each mixer has exactly the parameters of fla's layer of the same name (``fla.layers.DeltaNet``,
+``GatedDeltaNet``, ``KimiDeltaAttention``, ``GatedDeltaNet2``) at ``expand_v = 1`` and with the
+model's ``num_heads x head_dim`` (so every delta mixer carries the same ``H x K x V`` memory as KDN).
+Projections, short convolutions, the retention gate and the output block come from
+:class:`kdn.modules.DeltaFrontEnd`; only the output block follows each fla layer (``output_gate``):
+``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet) or
+``"none"`` (plain RMSNorm: DeltaNet).
+
+Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
+``r``, write vector ``kappa``, value ``u``), which :func:`kdn.chunk.memory_chunk` scans on any device
+(``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``).
+Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kdn.cache import RecurrentCache
+from kdn.chunk import MEMORY_CHUNK, memory_chunk
+from kdn.modules import DeltaFrontEnd
+from models.layers.common import (
+    RMSNorm,
+    SwishGatedRMSNorm,
+    check_cu_seqlens,
+    current_mask,
+    repack,
+    unpack_all,
+)
+
+OUTPUT_GATES = ("sigmoid", "swish", "none")
+BACKENDS = ("torch", "fla")
+
+
+def _compute(x: Tensor) -> Tensor:
+    """``x`` in FP32, or float64 when it is float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class FrontEnd(DeltaFrontEnd):
+    """:class:`kdn.modules.DeltaFrontEnd` whose output block is selectable (see the module docstring)."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, *, gate: str, output_gate: str,
+        conv_size: int, norm_eps: float,
+    ) -> None:
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
+        super().__init__(hidden_size, num_heads, head_dim, conv_size=conv_size, norm_eps=norm_eps, gate=gate)
+        self.output_gate = output_gate
+        if output_gate == "swish":
+            self.g_proj = nn.Linear(hidden_size, self.H * self.V, bias=False)
+            self.o_norm = SwishGatedRMSNorm(self.V, norm_eps)
+        elif output_gate == "none":
+            del self.g_proj
+            self.o_norm = RMSNorm(self.V, norm_eps)
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``."""
+        if self.output_gate == "sigmoid":
+            return super().output(o, x)
+        B, T = x.shape[:2]
+        if self.output_gate == "swish":
+            y = self.o_norm(o, self.g_proj(x).view(B, T, self.H, self.V))
+        else:
+            y = self.o_norm(o)
+        return self.o_proj(y.reshape(B, T, self.H * self.V))
+
+
+class _DeltaRule(nn.Module):
+    """Shared forward of the delta-rule baselines; subclasses define the write terms and the kernel call."""
+
+    gate: str = "channel"
+    output_gate_default: str = "sigmoid"
+
+    def __init__(
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
+        output_gate: str | None = None, conv_size: int = 4, norm_eps: float = 1e-5,
+        layer_idx: int | None = None, backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.layer_idx, self.backend = layer_idx, backend
+        self.front = FrontEnd(hidden_size, num_heads, head_dim, gate=self.gate,
+                              output_gate=output_gate or self.output_gate_default,
+                              conv_size=conv_size, norm_eps=norm_eps)
+
+    # -- per-rule pieces ---------------------------------------------------------------------------
+    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
+        """The rule's write strengths from ``x [B, T, d_model]`` (FP32)."""
+        raise NotImplementedError
+
+    def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(read key r, write vector kappa, value u)`` of the generic rule, from ``k [B,T,H,K]``, ``v``."""
+        beta = terms["beta"][..., None]
+        return k, beta * k, v
+
+    def fla_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        output_final_state: bool, cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled."""
+        raise NotImplementedError
+
+    def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
+        """``r_t^T kappa_t`` per token, ``[B, T, H]`` (the rule's ``beta_eff``)."""
+        return terms["beta"] * (k * k).sum(-1)
+
+    # -- shared --------------------------------------------------------------------------------------
+    def resolve_backend(self, device: torch.device) -> str:
+        if self.backend is None:
+            return "fla" if device.type == "cuda" else "torch"
+        if self.backend == "fla" and device.type != "cuda":
+            raise ValueError("backend='fla' needs CUDA tensors (fla's Triton kernels); use backend='torch'")
+        return self.backend
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+        past_key_values: RecurrentCache | None = None, use_cache: bool = False,
+        cu_seqlens: Tensor | None = None, output_beta_eff: bool = False, **kwargs: object,
+    ) -> tuple[Tensor, Tensor | None, RecurrentCache | None]:
+        """``hidden_states [B, T, d]`` -> ``(o [B, T, d], beta_eff [B, T, H] | None, cache)``."""
+        x = hidden_states
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        mask = current_mask(attention_mask, B, T)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, B, T)
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
+        q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)
+        g = self.front.log_retention(x) if self.gate != "none" else None
+        terms = self.write_terms(x)
+        if mask is not None:  # padded tokens are identity steps: no key, no decay
+            k = k * mask[..., None, None].to(k.dtype)
+            if g is not None:
+                g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
+        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        dt = torch.promote_types(x.dtype, torch.float32)
+        S0 = last["recurrent"] if last is not None else x.new_zeros(n_seq, H, K, self.front.V, dtype=dt)
+        if self.resolve_backend(x.device) == "fla":  # one activation dtype for the kernels (v's, under autocast)
+            cu = cu_seqlens.to(x.device) if cu_seqlens is not None else None
+            o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, S0, use_cache, cu)
+        else:
+            o, S = self.torch_call(q, k, v, g, terms, S0, cu_seqlens, dt)
+        beta_eff = self.effective_strength(k.float(), terms) if output_beta_eff else None
+        if use_cache:
+            if past_key_values is None:
+                past_key_values = RecurrentCache()
+            past_key_values.update(self.layer_idx, recurrent=S, conv=conv)
+        return self.front.output(o.to(x.dtype), x), beta_eff, past_key_values
+
+    def torch_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        cu_seqlens: Tensor | None, dt: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        """The chunked PyTorch scan (any device), in FP32 (float64 for float64 inputs)."""
+        K = self.head_dim
+        k, v = k.to(dt), v.to(dt)
+        r, kappa, u = self.rule(k, v, {n: t.to(dt) for n, t in terms.items()})
+        if g is None:
+            g = torch.zeros_like(k)
+        elif g.dim() == 3:
+            g = g[..., None].expand_as(k)
+        xs = unpack_all([q.to(dt) * K ** -0.5, r, kappa, u, g.to(dt)], [0.0] * 5, cu_seqlens)
+        o, S = memory_chunk(*xs, S0.to(dt), chunk=min(MEMORY_CHUNK, xs[0].shape[1]))  # decoding: chunk of 1
+        return (repack(o, cu_seqlens) if cu_seqlens is not None else o), S
+
+
+class DeltaNet(_DeltaRule):
+    """DeltaNet (fla ``DeltaNet``): ``S_t = (I - beta k k^T) S + beta k v^T``, no decay, plain output norm."""
+
+    gate = "none"
+    output_gate_default = "none"
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, **kw)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
+        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
+
+    def fla_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        output_final_state: bool, cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        return chunk_delta_rule(q, k, v, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
+                                initial_state=S0.float(), output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens)
+
+
+class GatedDeltaNet(_DeltaRule):
+    """Gated DeltaNet (fla ``GatedDeltaNet``): a per-head decay ``g = -exp(A_log) softplus(a(x) + dt_bias)``,
+    full-rank swish output gate."""
+
+    gate = "head"
+    output_gate_default = "swish"
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, **kw)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        with torch.no_grad():  # fla's Gated DeltaNet draws A from U(0, 16)
+            self.front.A_log.copy_(torch.empty_like(self.front.A_log).uniform_(0, 16).clamp_min(1e-4).log())
+
+    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
+        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
+
+    def fla_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        output_final_state: bool, cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
+                                      initial_state=S0.float(), output_final_state=output_final_state,
+                                      cu_seqlens=cu_seqlens)
+
+
+class KDA(_DeltaRule):
+    """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head."""
+
+    gate = "channel"
+    output_gate_default = "sigmoid"
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, **kw)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
+        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
+
+    def fla_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        output_final_state: bool, cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        from fla.ops.kda import chunk_kda
+
+        return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
+                         initial_state=S0.float(), output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+class GDN2(_DeltaRule):
+    """Gated DeltaNet-2 (fla ``GatedDeltaNet2``): channel-wise erase gate ``b`` (key axis) and write gate
+    ``w`` (value axis): ``S_t = (I - k (b*k)^T) D S + k (w*v)^T``."""
+
+    gate = "channel"
+    output_gate_default = "sigmoid"
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, **kw)
+        self.b_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.w_proj = nn.Linear(hidden_size, num_heads * self.front.V, bias=False)
+
+    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
+        B, T = x.shape[:2]
+        b = torch.sigmoid(_compute(self.b_proj(x))).view(B, T, self.num_heads, self.head_dim)
+        w = torch.sigmoid(_compute(self.w_proj(x))).view(B, T, self.num_heads, self.front.V)
+        return {"b": b, "w": w}
+
+    def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        return terms["b"] * k, k, terms["w"] * v
+
+    def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
+        return (terms["b"] * k * k).sum(-1)
+
+    def fla_call(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        output_final_state: bool, cu_seqlens: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        from fla.ops.gdn2 import chunk_gdn2
+
+        return chunk_gdn2(q, k, v, g.float(), terms["b"].to(q.dtype), terms["w"].to(q.dtype),
+                          scale=self.head_dim ** -0.5, initial_state=S0.float(),
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def fla_layer_kwargs(name: str, hidden_size: int, num_heads: int, head_dim: int, norm_eps: float) -> dict:
+    """Constructor arguments of the fla layer that our mixer ``name`` reproduces (for parity tests)."""
+    common = {"hidden_size": hidden_size, "num_heads": num_heads, "norm_eps": norm_eps}
+    if name == "deltanet":
+        return {**common, "expand_k": num_heads * head_dim / hidden_size,
+                "expand_v": num_heads * head_dim / hidden_size, "use_gate": False}
+    if name == "gdn":
+        return {**common, "head_dim": head_dim, "expand_v": 1, "use_gate": True}
+    if name in ("kda", "gdn2"):
+        return {**common, "head_dim": head_dim, "expand_v": 1}
+    raise ValueError(f"no fla counterpart for {name!r}")
+
+
+def fla_state_dict_map(name: str, ours: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename our state dict to the fla layer's keys (``front.`` dropped; GDN's gate is fla's ``a_proj``)."""
+    out = {}
+    for key, value in ours.items():
+        key = key.removeprefix("front.")
+        if name == "gdn" and key == "f_proj.weight":
+            key = "a_proj.weight"
+        out[key] = value
+    return out
+
+
+DELTA_MIXERS: dict[str, type[_DeltaRule]] = {"deltanet": DeltaNet, "gdn": GatedDeltaNet, "kda": KDA, "gdn2": GDN2}
