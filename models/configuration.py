@@ -1,0 +1,123 @@
+"""``KDNConfig``: the Hugging Face configuration of every backbone the paper trains."""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from models.registry import MIXERS
+
+LAYER_CODES = {"R": "the configured mixer", "S": "sliding-window attention (config.window)", "A": "full attention"}
+NAMED_PATTERNS = {"recurrent": "R", "hybrid_swa": "RS"}
+
+
+def layer_pattern(pattern: str, num_layers: int) -> str:
+    """Expand ``pattern`` into one code per layer (``R`` mixer, ``S`` sliding-window attention, ``A`` full attention).
+
+    ``"recurrent"`` is every layer the mixer; ``"hybrid_swa"`` alternates mixer and SWA layers
+    (``RSRS...``, 9 + 9 at 18 layers). Any other string of codes is repeated to ``num_layers`` and must
+    divide it (``"RRRS"`` is a 3:1 hybrid).
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"pattern must be a non-empty string, got {pattern!r}")
+    unit = NAMED_PATTERNS.get(pattern, pattern)
+    bad = sorted(set(unit) - set(LAYER_CODES))
+    if bad:
+        raise ValueError(f"pattern {pattern!r} has unknown layer codes {bad}: use {sorted(NAMED_PATTERNS)} or a string "
+                         f"of {LAYER_CODES}")
+    if num_layers % len(unit):
+        raise ValueError(f"pattern {pattern!r} (unit length {len(unit)}) does not divide num_layers={num_layers}")
+    return unit * (num_layers // len(unit))
+
+
+class KDNConfig(PretrainedConfig):
+    """Configuration of :class:`models.KDNForCausalLM`.
+
+    ``mixer`` names an entry of :data:`models.MIXERS` and ``mixer_kwargs`` its options (for KDN e.g.
+    ``{"mu": "dk", "noise": "learned", "alpha_param": "kda"}``). ``pattern`` chooses which layers use
+    the mixer (see :func:`layer_pattern`); attention layers use ``num_heads x head_dim`` heads,
+    RoPE base ``rope_theta`` and, when sliding, ``window``. ``intermediate_size`` is the SwiGLU width.
+    """
+
+    model_type = "kdn_lm"
+    keys_to_ignore_at_inference = ["cache"]
+    attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 2048,
+        num_layers: int = 16,
+        num_heads: int = 16,
+        head_dim: int = 128,
+        mixer: str = "kdn_diag",
+        mixer_kwargs: dict[str, Any] | None = None,
+        pattern: str = "recurrent",
+        window: int = 2048,
+        intermediate_size: int = 5632,
+        norm_eps: float = 1e-5,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        conv_size: int = 4,
+        rope_theta: float = 10000.0,
+        fuse_cross_entropy: bool = True,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.mixer = mixer
+        self.mixer_kwargs = dict(mixer_kwargs or {})
+        self.pattern = pattern
+        self.window = window
+        self.intermediate_size = intermediate_size
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        self.conv_size = conv_size
+        self.rope_theta = rope_theta
+        self.fuse_cross_entropy = fuse_cross_entropy
+        self.use_cache = use_cache
+        self.check()
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def layer_codes(self) -> str:
+        """One code per layer: ``R`` (mixer), ``S`` (sliding-window attention), ``A`` (full attention)."""
+        return layer_pattern(self.pattern, self.num_layers)
+
+    def layer_mixer(self, layer_idx: int) -> tuple[str, dict[str, Any]]:
+        """``(mixer name, kwargs)`` of layer ``layer_idx``."""
+        code = self.layer_codes[layer_idx]
+        if code == "R":
+            return self.mixer, self.mixer_kwargs
+        return "attn", {"window": self.window if code == "S" else None}
+
+    def check(self) -> None:
+        """Raise a ``ValueError`` that names the bad field and the fix."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size",
+                     "conv_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        MIXERS.check_kwargs(self.mixer, self.mixer_kwargs)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
+            raise ValueError(f"window must be a positive int (tokens of the sliding window), got {self.window!r}")
+        attn_window = self.mixer_kwargs.get("window", self.window) if self.mixer == "attn" else self.window
+        if attn_window is not None and (isinstance(attn_window, bool) or not isinstance(attn_window, int)
+                                        or attn_window <= 0):
+            raise ValueError(f"mixer_kwargs['window'] must be a positive int or None (full attention), got "
+                             f"{attn_window!r}")
+        codes = layer_pattern(self.pattern, self.num_layers)
+        has_attention = self.mixer == "attn" or any(c in "SA" for c in codes)
+        if has_attention and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"attention layers need num_heads * head_dim == hidden_size, got {self.num_heads} * "
+                             f"{self.head_dim} = {self.num_heads * self.head_dim} != {self.hidden_size}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")

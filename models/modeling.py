@@ -1,0 +1,218 @@
+"""``KDNForCausalLM``: embedding, pre-norm blocks (mixer + SwiGLU), final norm, LM head.
+
+Block: ``h = h + mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))``. Registered with ``AutoConfig``
+and ``AutoModelForCausalLM`` (``model_type = "kdn_lm"``) when :mod:`models` is imported, so
+``AutoModelForCausalLM.from_pretrained(path)`` needs no ``trust_remote_code``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from models.cache import KDNCache
+from models.configuration import KDNConfig
+from models.layers.common import RMSNorm, check_cu_seqlens
+from models.registry import MIXERS
+
+
+@dataclass
+class KDNCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``beta_eff``: per layer ``[B, T, H]`` (``None`` for layers without one)."""
+
+    beta_eff: tuple[Tensor | None, ...] | None = None
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, ``x [..., d]``; ``3 d w`` parameters for width ``w``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KDNBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block: mixer then SwiGLU FFN."""
+
+    def __init__(self, config: KDNConfig, layer_idx: int) -> None:
+        super().__init__()
+        name, kwargs = config.layer_mixer(layer_idx)
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mixer = MIXERS[name].build(config, layer_idx, kwargs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache: KDNCache | None = None,
+        use_cache: bool = False, cu_seqlens: Tensor | None = None, output_beta_eff: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        o, beta_eff, _ = self.mixer(self.mixer_norm(hidden_states), attention_mask=attention_mask,
+                                    past_key_values=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
+                                    output_beta_eff=output_beta_eff)
+        h = hidden_states + o
+        return h + self.mlp(self.mlp_norm(h)), beta_eff
+
+
+class KDNPreTrainedModel(PreTrainedModel):
+    """Weight initialisation (fla's scheme) and HF plumbing shared by the KDN models."""
+
+    config_class = KDNConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KDNBlock"]
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """``N(0, initializer_range)`` for linear, conv and embedding weights, zero biases; mixer-specific
+        parameters keep their constructor initialisation, as do modules marked ``_keep_init``."""
+        std = self.config.initializer_range
+        if getattr(module, "_keep_init", False):
+            return
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+
+class KDNModel(KDNPreTrainedModel):
+    """The backbone: embedding, blocks, final norm. Returns hidden states ``[B, T, d]``."""
+
+    def __init__(self, config: KDNConfig) -> None:
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([KDNBlock(config, i) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    def forward(
+        self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, cache: KDNCache | None = None,
+        use_cache: bool = False, cu_seqlens: Tensor | None = None, output_beta_eff: bool = False,
+        inputs_embeds: Tensor | None = None,
+    ) -> tuple[Tensor, KDNCache | None, tuple[Tensor | None, ...] | None]:
+        """Returns ``(hidden [B, T, d], cache, beta_eff per layer | None)``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, d]")
+        h = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = h.shape[:2]
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed documents) or attention_mask (padding), not both")
+            check_cu_seqlens(cu_seqlens, B, T)
+        if use_cache and cache is None:
+            cache = KDNCache()
+        betas = []
+        for layer in self.layers:
+            h, beta = layer(h, attention_mask=attention_mask, cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
+                            output_beta_eff=output_beta_eff)
+            betas.append(beta)
+        if use_cache:
+            cache.seen_tokens += T
+        return self.norm(h), cache, (tuple(betas) if output_beta_eff else None)
+
+
+def shifted_labels(labels: Tensor, attention_mask: Tensor | None, cu_seqlens: Tensor | None) -> Tensor:
+    """Targets of next-token prediction, ``[B, T]``: ``labels`` shifted left, ``-100`` where there is no
+    next token, where the current or the next token is padding, or where the next starts a new packed
+    document."""
+    target = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if attention_mask is not None:
+        real = attention_mask[:, -labels.shape[1]:] != 0
+        target = target.masked_fill(~(real & F.pad(real[:, 1:], (0, 1), value=False)), -100)
+    if cu_seqlens is not None:
+        starts = cu_seqlens[1:-1].to(labels.device)
+        target[0, starts - 1] = -100
+    return target
+
+
+class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
+    """Causal LM head over :class:`KDNModel`; ``generate()`` runs with a :class:`models.cache.KDNCache`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: KDNConfig) -> None:
+        super().__init__(config)
+        self.model = KDNModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own KDNCache
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def prepare_inputs_for_generation(
+        self, input_ids: Tensor, cache: KDNCache | None = None, attention_mask: Tensor | None = None,
+        use_cache: bool = True, past_key_values: KDNCache | None = None, **kwargs: object,
+    ) -> dict[str, object]:
+        """Feed only the tokens the cache has not consumed yet."""
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and cache.seen_tokens:
+            input_ids = input_ids[:, cache.seen_tokens:]
+        return {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
+
+    def forward(
+        self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+        past_key_values: KDNCache | None = None, use_cache: bool = False, cu_seqlens: Tensor | None = None,
+        output_beta_eff: bool = False, inputs_embeds: Tensor | None = None, cache: KDNCache | None = None,
+        logits_to_keep: int = 0, **kwargs: object,
+    ) -> KDNCausalLMOutput:
+        """``input_ids [B, T]`` -> logits ``[B, T, V]`` (last ``logits_to_keep`` positions when > 0), and
+        with ``labels`` the mean next-token cross-entropy (shifted internally, ``-100`` ignored, no
+        prediction across padding or a ``cu_seqlens`` document boundary). On CUDA in training with
+        ``config.fuse_cross_entropy``, fla's fused linear cross-entropy computes the loss and
+        ``logits`` is ``None``. ``cache`` and ``past_key_values`` are the same argument."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the decoding cache once, as cache or past_key_values")
+        cache = cache if cache is not None else past_key_values
+        h, cache, betas = self.model(input_ids, attention_mask=attention_mask, cache=cache, use_cache=use_cache,
+                                     cu_seqlens=cu_seqlens, output_beta_eff=output_beta_eff,
+                                     inputs_embeds=inputs_embeds)
+        loss, logits = None, None
+        fused = labels is not None and self.training and h.is_cuda and self.config.fuse_cross_entropy
+        if labels is not None:
+            target = shifted_labels(labels, attention_mask, cu_seqlens)
+            if fused:
+                from fla.modules import FusedLinearCrossEntropyLoss
+
+                loss = FusedLinearCrossEntropyLoss()(h, target, self.lm_head.weight)
+            else:
+                logits = self.lm_head(h)
+                loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),
+                                       target.flatten(), ignore_index=-100)
+        if not fused and logits is None:
+            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        elif logits is not None and logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return KDNCausalLMOutput(loss=loss, logits=logits, cache=cache if use_cache else None, beta_eff=betas)

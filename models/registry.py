@@ -1,0 +1,144 @@
+"""The mixer registry: every token mixer the paper trains, keyed by name.
+
+``MIXERS[name]`` is a :class:`MixerSpec`; an unknown name raises a ``ValueError`` that lists the
+known ones. ``spec.build(config, layer_idx, kwargs)`` makes the module (``kwargs`` being the
+config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window);
+``spec.state_size(config, kwargs)`` is the recurrent memory per sequence and layer, in elements
+(``None`` for full attention, whose cache grows with the sequence).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+import kdn
+from models.layers.attention import Attention
+from models.layers.delta import DELTA_MIXERS
+from models.layers.mamba3 import Mamba3
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """How to build one kind of mixer and how much recurrent state it carries."""
+
+    name: str
+    description: str
+    kwargs: tuple[str, ...]
+    build: Callable[[Any, int, dict], nn.Module]
+    state_size: Callable[[Any, dict], int | None]
+
+
+class MixerRegistry(dict):
+    """A ``dict`` of :class:`MixerSpec` whose missing keys raise a ``ValueError`` naming the known mixers."""
+
+    def __missing__(self, name: object) -> MixerSpec:
+        raise ValueError(f"unknown mixer {name!r}; known mixers: {', '.join(sorted(self))}")
+
+    def check_kwargs(self, name: str, kwargs: dict) -> None:
+        """Raise a ``ValueError`` for a mixer keyword that ``name`` does not take."""
+        spec = self[name]
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"mixer_kwargs must be a dict, got {type(kwargs).__name__}")
+        unknown = sorted(set(kwargs) - set(spec.kwargs))
+        if unknown:
+            raise ValueError(f"mixer {name!r} does not take {unknown}; its mixer_kwargs are {list(spec.kwargs)}")
+
+
+def _matrix_state(cfg: Any, kwargs: dict) -> int:
+    return cfg.num_heads * cfg.head_dim * cfg.head_dim
+
+
+def _kdn(isotropic: bool) -> MixerSpec:
+    cls = kdn.IsotropicKDN if isotropic else kdn.DiagonalKDN
+
+    def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
+        layer = cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
+                    layer_idx=idx, **kw)
+        if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (SPEC §5) survives weight init
+            (layer.omega_proj if isotropic else layer.omega_proj[-1])._keep_init = True
+        return layer
+
+    def state(cfg: Any, kw: dict) -> int:
+        return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
+
+    kind = "Isotropic" if isotropic else "Diagonal"
+    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", f"{kind} Kalman Delta Network (ours)",
+                     ("mu", "alpha_param", "noise", "backend"), build, state)
+
+
+def _delta(name: str, description: str) -> MixerSpec:
+    cls = DELTA_MIXERS[name]
+
+    def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
+        return cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
+                   layer_idx=idx, **kw)
+
+    return MixerSpec(name, description, ("output_gate", "backend"), build, _matrix_state)
+
+
+MAMBA3_KWARGS = ("state_size", "expand", "head_dim", "n_groups", "rope_fraction", "mimo_rank", "chunk_size",
+                 "A_floor", "dt_min", "dt_max", "backend")
+
+
+def mamba3_state_size(cfg: Any, kw: dict) -> int:
+    """The Mamba-3 ``state_size`` N: given, or chosen so that ``heads x head_dim x N`` equals KDA's ``H K V``."""
+    if "state_size" in kw:
+        return int(kw["state_size"])
+    inner = int(kw.get("expand", 2) * cfg.hidden_size)
+    target = _matrix_state(cfg, kw)
+    if target % inner or target // inner < 2:
+        raise ValueError(f"cannot match Mamba-3's state to num_heads*head_dim^2 = {target} with expand*hidden_size = "
+                         f"{inner}; set mixer_kwargs['state_size'] explicitly")
+    return target // inner
+
+
+def _mamba3(mimo: bool) -> MixerSpec:
+    def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
+        kw = {**kw, "state_size": mamba3_state_size(cfg, kw)}
+        if not mimo and "mimo_rank" in kw:
+            raise ValueError("mimo_rank applies to mamba3_mimo only")
+        return Mamba3(cfg.hidden_size, is_mimo=mimo, norm_eps=cfg.norm_eps, layer_idx=idx, **kw)
+
+    def state(cfg: Any, kw: dict) -> int:
+        inner = int(kw.get("expand", 2) * cfg.hidden_size)
+        return inner * mamba3_state_size(cfg, kw)
+
+    return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}",
+                     f"Mamba-3 {'MIMO (rank mimo_rank, default 4)' if mimo else 'SISO'}, fla parametrisation",
+                     MAMBA3_KWARGS, build, state)
+
+
+def attention_window(cfg: Any, kw: dict) -> int | None:
+    """An attention layer's window: ``kw["window"]`` when given (``None``: full), else ``cfg.window``."""
+    return kw["window"] if "window" in kw else cfg.window
+
+
+def _attn() -> MixerSpec:
+    window = attention_window
+
+    def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
+        return Attention(cfg.hidden_size, cfg.num_heads, cfg.head_dim, window=window(cfg, kw),
+                         rope_theta=kw.get("rope_theta", cfg.rope_theta), layer_idx=idx)
+
+    def state(cfg: Any, kw: dict) -> int | None:
+        w = window(cfg, kw)
+        return None if w is None else 2 * (w - 1) * cfg.num_heads * cfg.head_dim
+
+    return MixerSpec("attn", "softmax attention with RoPE: sliding window (window, default config.window) or "
+                     "full (window=None)", ("window", "rope_theta"), build, state)
+
+
+MIXERS: MixerRegistry = MixerRegistry({
+    "kdn_diag": _kdn(False),
+    "kdn_iso": _kdn(True),
+    "deltanet": _delta("deltanet", "DeltaNet (fla DeltaNet)"),
+    "gdn": _delta("gdn", "Gated DeltaNet (fla GatedDeltaNet)"),
+    "kda": _delta("kda", "Kimi Delta Attention (fla KimiDeltaAttention)"),
+    "gdn2": _delta("gdn2", "Gated DeltaNet-2 (fla GatedDeltaNet2)"),
+    "mamba3_siso": _mamba3(False),
+    "mamba3_mimo": _mamba3(True),
+    "attn": _attn(),
+})
