@@ -46,14 +46,14 @@ class _WindowReader:
     def __init__(self, paths: list[Path], sizes: list[int], dtype: str, seq_len: int) -> None:
         self.paths, self.dtype, self.seq_len = paths, dtype, seq_len
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._maps: list[np.memmap] | None = None
+        self._maps: list[np.ndarray] | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
 
-    def _open(self) -> list[np.memmap]:
-        if self._maps is None:
-            self._maps = [np.memmap(p, dtype=DTYPES[self.dtype], mode="r") for p in self.paths]
+    def _open(self) -> list[np.ndarray]:
+        if self._maps is None:  # plain ndarray views of read-only memory maps (cheaper to slice than np.memmap)
+            self._maps = [np.memmap(p, dtype=DTYPES[self.dtype], mode="r").view(np.ndarray) for p in self.paths]
         return self._maps
 
     def windows(self, index: np.ndarray) -> np.ndarray:

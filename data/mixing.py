@@ -13,14 +13,17 @@ _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MUL1
+    z = (z ^ (z >> np.uint64(27))) * _MUL2
+    return z ^ (z >> np.uint64(31))
+
+
 def splitmix64(x: np.ndarray | int) -> np.ndarray:
     """SplitMix64 finaliser of uint64 values (wrapping arithmetic); returns a uint64 array of x's shape."""
-    z = np.asarray(x, dtype=np.uint64).copy()
     with np.errstate(over="ignore"):
-        z += _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MUL1
-        z = (z ^ (z >> np.uint64(27))) * _MUL2
-    return z ^ (z >> np.uint64(31))
+        return _mix(np.asarray(x, dtype=np.uint64))
 
 
 def derive_key(*parts: int) -> int:
@@ -52,8 +55,9 @@ class FeistelPermutation:
 
     def _round_trip(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self._half, x & self._mask
-        for k in self._keys:
-            left, right = right, left ^ (splitmix64(right ^ k) & self._mask)
+        with np.errstate(over="ignore"):
+            for k in self._keys:
+                left, right = right, left ^ (_mix(right ^ k) & self._mask)
         return (left << self._half) | right
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

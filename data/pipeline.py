@@ -276,7 +276,9 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
         raise ValueError(f"add_bos=true but tokenizer {tok.name!r} has no BOS token; use add_bos=false")
     bar = tqdm(total=budget, initial=meta["counts"]["train_tokens"], unit="tok", unit_scale=True,
                disable=not cfg.progress, dynamic_ncols=True, desc=f"prepare {out_dir.name}")
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, (tok,)) if workers > 1 else None
+    # fork (Linux) starts workers instantly and never re-imports __main__; the workers touch no CUDA or threads
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ctx.Pool(workers, _init_worker, (tok,)) if workers > 1 else None
     if pool is None:
         _init_worker(tok)
     pending: deque = deque()
