@@ -250,13 +250,13 @@ def prepare(cfg: PrepareConfig) -> Path:
     done = exhausted or (budget is not None and train_total >= budget)
     if not done:
         _run(cfg, tok, source, dtype, out_dir, meta, budget)
-    meta["complete"] = True
     _recount(meta)
-    meta["budget_reached"] = budget is not None and meta["counts"]["train_tokens"] >= budget
-    write_json(out_dir / META, meta)
     if meta["counts"]["train_tokens"] == 0:
         raise ValueError(f"the source produced no training tokens (all {meta['counts']['source_documents']} "
                          "documents empty or held out); check text_key= and val_fraction=")
+    meta["complete"] = True
+    meta["budget_reached"] = budget is not None and meta["counts"]["train_tokens"] >= budget
+    write_json(out_dir / META, meta)
     return out_dir
 
 

@@ -52,8 +52,12 @@ class Tokenizer(ABC):
         """Text of ids that contain no BOS/EOS id."""
 
     @abstractmethod
-    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False) -> Path:
-        """Write a directory for `AutoTokenizer.from_pretrained`; `add_bos` makes `tok(text)` prepend BOS."""
+    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False,
+                        model_max_length: int | None = None) -> Path:
+        """Write a directory for `AutoTokenizer.from_pretrained`; `add_bos` makes `tok(text)` prepend BOS.
+
+        `model_max_length` is recorded for tools that read it (lm-eval); None keeps Hugging Face's "unset".
+        """
 
     @property
     @abstractmethod
@@ -131,7 +135,8 @@ class SentencePieceTokenizer(Tokenizer):
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model_path"], state["name"])
 
-    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False) -> Path:
+    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False,
+                        model_max_length: int | None = None) -> Path:
         """Export as a `tokenizers` BPE (tokenizer.json) whose ids equal SentencePiece's.
 
         SentencePiece merges the highest-scoring adjacent pair first, ties leftmost. The `tokenizers` BPE
@@ -189,9 +194,10 @@ class SentencePieceTokenizer(Tokenizer):
                 raise ValueError(f"{self.name} has no BOS token; save_pretrained(add_bos=True) is impossible")
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        extra = {} if model_max_length is None else {"model_max_length": model_max_length}
         hf = PreTrainedTokenizerFast(
             tokenizer_object=backend, bos_token=bos, eos_token=self.token_str(self.eos_id), unk_token=unk,
-            split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=1 << 30)
+            split_special_tokens=True, clean_up_tokenization_spaces=False, **extra)
         probes = [" " * k + tail for k in range(1, 41) for tail in ("x", "\n")] + [_PROBE_TEXT]
         if self.encode_batch(probes) != hf(probes, add_special_tokens=False)["input_ids"]:
             raise ValueError(f"{self.model_path}: the exported tokenizer does not reproduce SentencePiece's ids; "
@@ -242,7 +248,8 @@ class HFTokenizer(Tokenizer):
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["name"])
 
-    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False) -> Path:
+    def save_pretrained(self, path: str | os.PathLike, add_bos: bool = False,
+                        model_max_length: int | None = None) -> Path:
         """Save the wrapped tokenizer (its own BOS convention; `add_bos` must match it)."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
@@ -252,6 +259,8 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"tokenizer {self.name!r} {'adds' if adds_bos else 'does not add'} BOS by itself; "
                              f"save_pretrained(add_bos={add_bos}) would change that: prepare the data with "
                              f"add_bos={adds_bos} or use a tokenizer with the other convention")
+        if model_max_length is not None:
+            self._tok.model_max_length = model_max_length
         self._tok.save_pretrained(str(out))
         return out
 

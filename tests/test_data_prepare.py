@@ -192,6 +192,14 @@ def test_bad_inputs_name_the_file_and_write_nothing(tmp_path, source, name, mess
     assert not out.exists() or not [f for f in out.iterdir() if f.suffix in (".bin", ".tmp")]
 
 
+def test_no_training_tokens_is_an_error(tmp_path):
+    write_jsonl(tmp_path / "blank.jsonl", ["", "  ", "\n"])
+    with pytest.raises(ValueError, match="produced no training tokens"):
+        prepare(PrepareConfig(source="jsonl", paths=str(tmp_path / "blank.jsonl"), out_dir=str(tmp_path / "o"),
+                              num_workers=1, progress=False))
+    assert not read_meta(tmp_path / "o")["complete"]
+
+
 def test_settings_and_tokenizer_mismatch_and_dtype(tmp_path):
     out, _ = prepared(tmp_path)
     with pytest.raises(ValueError, match="prepared with different tokenizer"):

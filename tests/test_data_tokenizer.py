@@ -77,6 +77,7 @@ def test_hf_export_loads_offline_with_identical_ids(tok, exported):
     theirs = hf(texts, add_special_tokens=False)["input_ids"]
     assert ours == theirs
     assert hf(texts[0])["input_ids"] == ours[0]  # add_bos=False: no BOS, matching the training stream
+    assert hf.model_max_length > 10**20  # left unset: lm-eval falls back to the model config
     for text, ids in zip(texts, ours):
         assert hf.decode(ids) == text
 
@@ -84,9 +85,10 @@ def test_hf_export_loads_offline_with_identical_ids(tok, exported):
 def test_hf_export_with_bos(tok, tmp_path):
     from transformers import AutoTokenizer
 
-    path = tok.save_pretrained(tmp_path / "bos", add_bos=True)
+    path = tok.save_pretrained(tmp_path / "bos", add_bos=True, model_max_length=4096)
     hf = AutoTokenizer.from_pretrained(path)
     assert hf("Hello there")["input_ids"] == [tok.bos_id] + tok.encode("Hello there")
+    assert hf.model_max_length == 4096
     assert json.loads((path / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
 
 
