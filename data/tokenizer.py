@@ -6,6 +6,8 @@ token stream `doc_1 EOS doc_2 EOS` decodes to `doc_1 + "</s>" + doc_2 + "</s>"`.
 
 `save_pretrained(path)` writes a directory that `transformers.AutoTokenizer.from_pretrained(path)` loads
 offline and that produces exactly the same ids as `encode` (used by the Hugging Face export for lm-eval).
+Pass the shards' `add_bos` to it: without BOS in training the export declares no `bos_token`, so lm-eval
+conditions a document's first token on EOS (its fallback prefix), exactly as in the packed training stream.
 """
 from __future__ import annotations
 
@@ -188,7 +190,7 @@ class SentencePieceTokenizer(Tokenizer):
         backend.decoder = decoders.Sequence(dec)
         specials = [p.piece for p in proto.pieces if p.type in (2, 3)]  # UNKNOWN, CONTROL
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-        bos = self.token_str(self.bos_id) if self.bos_id is not None else None
+        bos = self.token_str(self.bos_id) if add_bos and self.bos_id is not None else None
         if add_bos:
             if bos is None:
                 raise ValueError(f"{self.name} has no BOS token; save_pretrained(add_bos=True) is impossible")

@@ -71,7 +71,8 @@ def test_batch_matches_single(tok):
 def test_hf_export_loads_offline_with_identical_ids(tok, exported):
     path, hf = exported
     assert {p.name for p in path.iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
-    assert (hf.eos_token_id, hf.bos_token_id, len(hf)) == (tok.eos_id, tok.bos_id, tok.vocab_size)
+    assert (hf.eos_token_id, len(hf)) == (tok.eos_id, tok.vocab_size)
+    assert hf.bos_token_id is None  # trained without BOS: lm-eval then uses EOS as the prefix token
     texts = TRICKY + make_docs(30, seed=7)
     ours = tok.encode_batch(texts)
     theirs = hf(texts, add_special_tokens=False)["input_ids"]
@@ -88,6 +89,7 @@ def test_hf_export_with_bos(tok, tmp_path):
     path = tok.save_pretrained(tmp_path / "bos", add_bos=True, model_max_length=4096)
     hf = AutoTokenizer.from_pretrained(path)
     assert hf("Hello there")["input_ids"] == [tok.bos_id] + tok.encode("Hello there")
+    assert hf.bos_token_id == tok.bos_id
     assert hf.model_max_length == 4096
     assert json.loads((path / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
 
@@ -96,13 +98,14 @@ def test_hf_wrapper_on_exported_dir(tok, exported):
     path, _ = exported
     wrapped = load_tokenizer(str(path))
     assert isinstance(wrapped, HFTokenizer)
-    assert (wrapped.vocab_size, wrapped.eos_id, wrapped.bos_id) == (32000, 2, 1)
+    assert (wrapped.vocab_size, wrapped.eos_id, wrapped.bos_id) == (32000, 2, None)
     texts = TRICKY + make_docs(5, seed=11)
     assert wrapped.encode_batch(texts) == tok.encode_batch(texts)
     ids = wrapped.encode("x y") + [wrapped.eos_id]
     assert wrapped.decode(ids) == "x y</s>"
     with pytest.raises(ValueError, match="does not add BOS"):
         wrapped.save_pretrained(path.parent / "again", add_bos=True)
+    assert wrapped.decode([1, 2]) == "<s></s>"  # "<s>" is still a special token of the vocabulary
 
 
 def test_unknown_tokenizer_is_a_clear_error(tmp_path):
