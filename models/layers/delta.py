@@ -148,7 +148,8 @@ class _DeltaRule(nn.Module):
             cu = cu_seqlens.to(x.device) if cu_seqlens is not None else None
             o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, S0, use_cache, cu)
         else:
-            o, S = self.torch_call(q, k, v, g, terms, S0, cu_seqlens, dt)
+            with torch.autocast(x.device.type, enabled=False):  # the scan runs in FP32 even under autocast
+                o, S = self.torch_call(q, k, v, g, terms, S0, cu_seqlens, dt)
         beta_eff = self.effective_strength(k.float(), terms) if output_beta_eff else None
         if use_cache:
             if past_key_values is None:

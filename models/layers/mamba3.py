@@ -18,7 +18,7 @@ interchange. The recurrence is the one computed by mamba-ssm's kernels (``mamba3
 The decoding state is mamba-ssm's: ``(angle [B,H,A], ssm [B,H,P,N] fp32, k [B,R,H,N], v [B,H,P])``,
 the last token's rotated key and value being kept for the trapezoid's next step. Padding tokens
 are identity steps (``dt = 0``). On CUDA the kernels run when mamba-ssm is importable (SISO also
-continues from a cached state; MIMO only starts from zero state, so decoding steps use PyTorch).
+continues from a cached state; MIMO only starts from zero state); one-token decoding steps use PyTorch.
 """
 from __future__ import annotations
 
@@ -107,32 +107,36 @@ def mamba3_scan(
         return t.reshape(B, C, chunk, *t.shape[2:])
 
     qc, kc, xc, ac, gc, sc = map(split, (qr, kr, xv, adt, gamma, scale))
-    cs = ac.cumsum(2)  # [B,C,c,H]
+
+    def rows(t: Tensor) -> Tensor:  # [B, C, c, R, H, D] -> [B, C, H, c*R, D]: one row per (token, rank)
+        return t.permute(0, 1, 4, 2, 3, 5).reshape(B, C, H, chunk * R, t.shape[-1])
+
+    Qm, Km, Xm = rows(qc), rows(kc), rows(xc)
+    cs = ac.cumsum(2).transpose(2, 3)  # [B,C,H,c]
     idx = torch.arange(chunk, device=x.device)
-    seg = (cs[:, :, :, None] - cs[:, :, None, :]).masked_fill(~(idx[:, None] >= idx[None, :])[..., None],
-                                                               float("-inf"))
-    weight = seg.exp() * torch.where((idx[:, None] > idx[None, :])[..., None], sc[:, :, None], 0.0)
-    weight = weight + torch.diag_embed(gc.transpose(-1, -2)).permute(0, 1, 3, 4, 2)  # s == t: own write
-    scores = torch.einsum("bctrhn,bcsqhn->bchtrsq", qc, kc)
-    y = torch.einsum("bchtrsq,bctsh,bcsqhp->bctrhp", scores, weight, xc)
-    decay_in = cs.exp()  # [B,C,c,H]
-    decay_out = (cs[:, :, -1:] - cs).exp() * sc
+    seg = (cs[..., :, None] - cs[..., None, :]).masked_fill(idx[:, None] < idx[None, :], float("-inf"))
+    own = torch.diag_embed(gc.transpose(2, 3))  # s == t: the token's own write
+    weight = seg.exp() * torch.where(idx[:, None] > idx[None, :], sc.transpose(2, 3)[..., None, :], 0.0) + own
+    weight = weight.repeat_interleave(R, -1).repeat_interleave(R, -2)  # [B,C,H,cR,cR]
+    y = ((Qm @ Km.transpose(-1, -2)) * weight) @ Xm  # intra-chunk
+    decay_in = cs.exp().repeat_interleave(R, -1)[..., None]  # [B,C,H,cR,1]
+    decay_out = ((cs[..., -1:] - cs).exp() * sc.transpose(2, 3)).repeat_interleave(R, -1)[..., None]
     inter = []
     for c in range(C):
-        inter.append(torch.einsum("btrhn,bhnp->btrhp", qc[:, c], S) * decay_in[:, c, :, None, :, None])
-        S = cs[:, c, -1].exp()[..., None, None] * S + torch.einsum("bsrhn,bsh,bsrhp->bhnp", kc[:, c],
-                                                                    decay_out[:, c], xc[:, c])
-    y = (y + torch.stack(inter, 1)).reshape(B, C * chunk, R, H, P)[:, :T]
+        inter.append((Qm[:, c] @ S) * decay_in[:, c])
+        S = cs[:, c, :, -1].exp()[..., None, None] * S + (Km[:, c] * decay_out[:, c]).transpose(-1, -2) @ Xm[:, c]
+    y = y + torch.stack(inter, 1)  # [B,C,H,cR,P]
+    y = y.reshape(B, C, H, chunk, R, P).permute(0, 1, 3, 4, 2, 5).reshape(B, C * chunk, R, H, P)[:, :T]
     y = y + D.to(f)[:, None] * xv
     if mimo is None:
         out = y[:, :, 0] * F.silu(z.to(f))
     else:
         gate = F.silu(z.to(f)[:, :, None] * mimo[1].to(f).transpose(0, 1))
         out = (y * mimo[2].to(f).transpose(0, 1) * gate).sum(2)
-    rows = torch.arange(B, device=x.device)
+    batch = torch.arange(B, device=x.device)
     last = last if last is not None else torch.full((B,), T - 1, dtype=torch.long, device=x.device)
     final = (theta[:, -1].to(f), S.transpose(-1, -2).contiguous(),
-             kr[rows, last].contiguous(), x[rows, last].contiguous())
+             kr[batch, last].contiguous(), x[batch, last].contiguous())
     return out, final
 
 
@@ -212,7 +216,7 @@ class Mamba3(nn.Module):
             "adt": a * dt, "dt": dt, "trap": trap, "angles": angles,
         }
 
-    def _use_kernels(self, device: torch.device, has_state: bool) -> bool:
+    def _use_kernels(self, device: torch.device, has_state: bool, T: int) -> bool:
         if self.backend == "torch" or device.type != "cuda":
             if self.backend == "kernels":
                 raise ValueError("backend='kernels' needs CUDA tensors; use backend='torch'")
@@ -224,7 +228,8 @@ class Mamba3(nn.Module):
                 raise ValueError(f"backend='kernels' but the mamba-ssm kernel is unavailable: {UNAVAILABLE}")
             _warn_fallback()
             return False
-        return not (self.is_mimo and has_state)  # the MIMO kernel cannot start from a cached state
+        # the MIMO kernel cannot start from a cached state; one-token decoding steps are cheap in PyTorch
+        return T > 1 and not (self.is_mimo and has_state)
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None,
@@ -245,10 +250,11 @@ class Mamba3(nn.Module):
             p["adt"] = p["adt"] * mask[..., None]
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         state = last["recurrent"] if last is not None else None
-        if self._use_kernels(x.device, state is not None):
+        if self._use_kernels(x.device, state is not None, T):
             y, final = self._kernel_forward(p, state, use_cache, cu_seqlens)
         else:
-            y, final = self._torch_forward(p, state, cu_seqlens)
+            with torch.autocast(x.device.type, enabled=False):  # the reference runs in FP32 even under autocast
+                y, final = self._torch_forward(p, state, cu_seqlens)
         if use_cache:
             if past_key_values is None:
                 past_key_values = RecurrentCache()
