@@ -99,6 +99,7 @@ class _Batcher:
         return out
 
     def batch(self, cursor: int) -> dict[str, torch.Tensor]:
+        """input_ids/labels LongTensor[B, T]; varlen: [1, B*T] plus cu_seqlens LongTensor[N+1]."""
         tokens = torch.from_numpy(self.reader.windows(self.window_ids(cursor)))
         if not self.varlen:
             return {"input_ids": tokens, "labels": tokens.clone()}
