@@ -37,7 +37,7 @@ from data.sources import FINEWEB_EDU, SOURCES, DocumentSource, make_source
 from data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer
 
 _VAL_SALT = 0x56414C  # "VAL"
-_SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.bin(\.tmp)?$")
+_OWN_FILE = re.compile(r"^((train|val)-\d{5}\.bin|meta\.json)(\.\d+\.tmp)?$")  # files prepare writes
 _ENCODE_BATCH = 512
 
 
@@ -60,7 +60,7 @@ class PrepareConfig:
     num_workers: int = 0  # tokeniser processes; 0 = one per CPU core
     dtype: str = "auto"  # auto | uint16 | uint32
     add_bos: bool = False  # also put BOS before every document
-    overwrite: bool = False  # delete an existing shard directory's shards first
+    overwrite: bool = False  # rebuild a directory prepared with other settings (instead of an error)
     progress: bool = True
 
 
@@ -188,18 +188,23 @@ def _recount(meta: dict) -> None:
 
 def _clean_stray(out_dir: Path, chunks: list[dict]) -> None:
     """Delete temp files and shards that no kept chunk lists (from an interrupted or pruned run)."""
-    listed = {c[s]["file"] for c in chunks for s in ("train", "val") if c[s]}
+    keep = {c[s]["file"] for c in chunks for s in ("train", "val") if c[s]} | {META}
     for f in out_dir.iterdir():
-        if (_SHARD_FILE.match(f.name) and f.name not in listed) or f.name == META + ".tmp":
+        if _OWN_FILE.match(f.name) and f.name not in keep:
             f.unlink()
 
 
-def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[list[dict], bool]:
-    """Chunks of a previous run that stay valid, and whether the previous run read the whole source."""
+def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[list[dict], bool, bool]:
+    """Chunks of a previous run that stay valid, whether it read the whole source, and whether it is
+    complete with this exact budget (then there is nothing to do or write)."""
     if not (out_dir / META).exists():
-        return [], False
+        return [], False, False
     meta = read_meta(out_dir)
     diff = [k for k, v in identity.items() if meta.get(k) != v]
+    if diff and cfg.overwrite:
+        _clean_stray(out_dir, [])
+        (out_dir / META).unlink()
+        return [], False, False
     if diff:
         raise ValueError(f"{out_dir} was prepared with different {', '.join(diff)} (tokenizer/source/settings differ "
                          f"from this run); use another out_dir=, or overwrite=true to rebuild it")
@@ -216,14 +221,16 @@ def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[li
                 check_shard(out_dir, c[split], meta["dtype"], checksum=False)
         chunks.append(c)
         total += n
-    exhausted = bool(meta.get("exhausted")) and len(chunks) == len(meta["chunks"])
-    return chunks, exhausted
+    unchanged = len(chunks) == len(meta["chunks"])
+    return chunks, bool(meta.get("exhausted")) and unchanged, (
+        unchanged and bool(meta.get("complete")) and meta.get("max_tokens") == cfg.max_tokens)
 
 
 def prepare(cfg: PrepareConfig) -> Path:
     """Tokenise `cfg.source` into shards under `cfg.out_dir`; idempotent and resumable.
 
-    Returns the shard directory (with `meta.json`, `train-*.bin`, `val-*.bin`).
+    Returns the shard directory (with `meta.json`, `train-*.bin`, `val-*.bin`). One process prepares a
+    directory at a time; once it is complete, further calls only read it (several ranks may call this).
     """
     _validate(cfg)
     if cfg.val_fraction is None:
@@ -235,12 +242,10 @@ def prepare(cfg: PrepareConfig) -> Path:
     source.validate()
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg)
     identity = _content_identity(tok, source, cfg, dtype)
-    if cfg.overwrite and out_dir.exists():
-        for f in out_dir.iterdir():
-            if _SHARD_FILE.match(f.name) or f.name in (META, META + ".tmp"):
-                f.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    chunks, exhausted = _resume_state(out_dir, identity, cfg)
+    chunks, exhausted, finished = _resume_state(out_dir, identity, cfg)
+    if finished:  # read-only: safe for several processes (e.g. ranks after the main one prepared)
+        return out_dir
     meta = {"format": FORMAT, "version": VERSION, "complete": False, **identity, "max_tokens": cfg.max_tokens,
             "budget_reached": False, "exhausted": False, "chunks": chunks}
     _clean_stray(out_dir, chunks)

@@ -6,7 +6,7 @@ Layout of a shard directory::
     train-00000.bin ...    token ids of the chunk's training documents, each followed by EOS
     val-00000.bin ...      the chunk's held-out documents (absent when the chunk has none)
 
-Every file is written to `NAME.tmp` and renamed when complete, so a crash never leaves a half shard.
+Every file is written to `NAME.<pid>.tmp` and renamed when complete, so a crash never leaves a half shard.
 """
 from __future__ import annotations
 
@@ -46,9 +46,14 @@ def sha256_file(path: Path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def temp_path(path: Path) -> Path:
+    """`NAME.<pid>.tmp` beside `path` (unique per process)."""
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
 def write_array(path: Path, tokens: np.ndarray) -> str:
-    """Write `tokens` to `path` via `path.tmp` + fsync + rename; returns its SHA-256."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write `tokens` to `path` via a temp file + fsync + rename; returns its SHA-256."""
+    tmp = temp_path(path)
     data = np.ascontiguousarray(tokens).tobytes()
     with open(tmp, "wb") as f:
         f.write(data)
@@ -60,7 +65,7 @@ def write_array(path: Path, tokens: np.ndarray) -> str:
 
 def write_json(path: Path, obj: dict) -> None:
     """Atomic JSON write (temp file, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, ensure_ascii=False)
         f.write("\n")

@@ -116,18 +116,19 @@ def test_resume_after_failure_leaves_only_whole_shards(tmp_path):
     assert {f.name for f in (tmp_path / "out").glob("*.bin")} == {
         c[s]["file"] for c in meta["chunks"] for s in ("train", "val") if c[s]}
     finished = _shard_state(tmp_path / "out")
-    (tmp_path / "out" / "train-00009.bin.tmp").write_bytes(b"\x01\x02\x03")  # debris of a killed run
+    (tmp_path / "out" / "train-00009.bin.4242.tmp").write_bytes(b"\x01\x02\x03")  # debris of a killed run
+    (tmp_path / "out" / "notes.txt").write_text("not ours")
     write_jsonl(bad, docs[40:])
     out = prepare(cfg)
     resumed = _shard_state(out)
     for name, state in finished.items():
         assert resumed[name] == state  # finished shards were skipped, not rewritten
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.tmp")) and (out / "notes.txt").exists()  # only its own files are removed
     fresh = prepare(PrepareConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "fresh")}))
     assert {k: v[1] for k, v in resumed.items()} == {k: v[1] for k, v in _shard_state(fresh).items()}
-    before = _shard_state(out)
-    prepare(cfg)  # idempotent
-    assert _shard_state(out) == before
+    before, meta_stamp = _shard_state(out), (out / "meta.json").stat().st_mtime_ns
+    prepare(cfg)  # idempotent, and read-only once complete
+    assert _shard_state(out) == before and (out / "meta.json").stat().st_mtime_ns == meta_stamp
 
 
 def test_text_and_embedded_sources(tmp_path):
