@@ -77,9 +77,9 @@ class _Batcher:
     """Builds the batch of one step from the global cursor (pure function of its settings; picklable)."""
 
     def __init__(self, reader: _WindowReader, num_windows: int, shuffle: bool, seed: int, rank: int,
-                 world_size: int, batch_size: int, varlen: bool, eos_id: int) -> None:
+                 batch_size: int, varlen: bool, eos_id: int) -> None:
         self.reader, self.W, self.shuffle, self.seed = reader, num_windows, shuffle, seed
-        self.rank, self.world_size, self.B, self.varlen, self.eos = rank, world_size, batch_size, varlen, eos_id
+        self.rank, self.B, self.varlen, self.eos = rank, batch_size, varlen, eos_id
         self._perms: dict[int, FeistelPermutation] = {}
 
     def window_ids(self, cursor: int) -> np.ndarray:
@@ -183,8 +183,8 @@ class TokenLoader:
         self.num_windows = total // seq_len
         self.fingerprint = data_fingerprint(self.meta, split)
         reader = _WindowReader(paths, [e["tokens"] for e in entries], dtype, seq_len)
-        self._batcher = _Batcher(reader, self.num_windows, split == "train", seed, rank, world_size, batch_size,
-                                 varlen, self.eos_id)
+        self._batcher = _Batcher(reader, self.num_windows, split == "train", seed, rank, batch_size, varlen,
+                                 self.eos_id)
         self._cursor = 0
         self._generation = 0
         if split == "val" and len(self) == 0:
