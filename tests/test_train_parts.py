@@ -119,7 +119,7 @@ def test_checkpoints_are_atomic_pruned_and_restore_exactly(tmp_path) -> None:
         model(ids).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        ck.save(acc, TrainState(step=step, tokens_seen=24 * step, wandb_id="abc", loader_states=[{"pos": step}]))
+        ck.save(acc, TrainState(step=step, tokens_seen=24 * step, wandb_id="abc", loader={"pos": step}))
     assert [p.name for p in ck.complete()] == ["step_000000002", "step_000000003"]
     # an interrupted save leaves a .tmp dir without train_state.json: never picked, cleaned by the next save
     (tmp_path / "ck" / ".tmp_step_000000004").mkdir()
@@ -134,7 +134,7 @@ def test_checkpoints_are_atomic_pruned_and_restore_exactly(tmp_path) -> None:
     opt2 = build_optimizer(model2, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
     model2, opt2 = acc.prepare(model2, opt2)
     state = Checkpointer.load(acc, ck.latest())
-    assert (state.step, state.tokens_seen, state.wandb_id, state.loader_states) == (3, 72, "abc", [{"pos": 3}])
+    assert (state.step, state.tokens_seen, state.wandb_id, state.loader) == (3, 72, "abc", {"pos": 3})
     for k, v in acc.unwrap_model(model2).state_dict().items():
         assert torch.equal(v, saved[k]), k
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], exp_avg)

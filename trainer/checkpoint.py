@@ -2,7 +2,7 @@
 
 A checkpoint is a directory ``<run_dir>/checkpoints/step_<9 digits>/`` holding accelerate's state
 (model, optimiser, RNG states of every process; sharded under FSDP) and ``train_state.json`` (step,
-tokens seen, scheduler, every data-parallel rank's data-loader state, the wandb run id). It is
+tokens seen, scheduler, the data loader's global cursor, the wandb run id). It is
 written under ``.tmp_step_*`` and renamed once complete, so a directory named ``step_*`` is always
 whole; only the newest ``keep_last`` are kept.
 """
@@ -32,7 +32,7 @@ class TrainState:
     wandb_id: str = ""
     world_size: int = 1
     scheduler: dict[str, Any] = field(default_factory=dict)
-    loader_states: list[dict[str, Any]] = field(default_factory=list)  # indexed by data-parallel rank
+    loader: dict[str, Any] = field(default_factory=dict)  # data.TokenLoader state (the same on every rank)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -86,14 +86,14 @@ class Checkpointer:
         return final
 
     @staticmethod
-    def load(accelerator: Accelerator, path: Path) -> TrainState:
+    def load(accelerator: Accelerator, path: Path, reshard: bool = False) -> TrainState:
         """Collective: restore model, optimiser and RNG states; return the ``TrainState``."""
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
-        if state.world_size != accelerator.num_processes:
+        if state.world_size != accelerator.num_processes and not reshard:
             raise ValueError(
                 f"checkpoint {path} was written by {state.world_size} processes but this run has "
-                f"{accelerator.num_processes}; the data order can only resume exactly on the same world size. "
-                "Relaunch with the original number of processes, or start a new run_dir.")
+                f"{accelerator.num_processes}; an exact resume needs the same world size. Relaunch with "
+                f"{state.world_size} processes, or set trainer.reshard=true to continue from the same data cursor.")
         accelerator.load_state(str(path))
         return state
 

@@ -42,16 +42,18 @@ class MixerConfig:
 
 @dataclass
 class BackboneConfig:
-    pattern: str = "recurrent"  # recurrent, hybrid_swa, or a layer string
-    window: int = 2048  # sliding-window attention width (hybrid_swa, attn)
+    pattern: str = "recurrent"  # recurrent, hybrid_swa, or a layer string (R mixer, S sliding window, A full)
+    window: int | None = None  # sliding-window attention width; null = the size's default (2048 at 750m/1.3b)
 
 
 @dataclass
 class DataConfig:
     prepare: dict[str, Any] = field(default_factory=dict)  # data.PrepareConfig fields
+    auto_prepare: bool = True  # run data.prepare (idempotent) at start; else read prepare.out_dir as is
     seq_len: int = 256
     varlen: bool = False  # pack documents with cu_seqlens (state resets at boundaries)
     seed: int = 0  # one data seed shared by every mixer of a comparison
+    num_workers: int = 0  # batch-building worker processes per rank
 
 
 @dataclass
@@ -81,8 +83,9 @@ class TrainerConfig:
     device: str = "auto"  # auto, cpu, cuda
     compile: bool = False  # torch.compile through accelerate's dynamo plugin
     peak_flops: float | None = None  # per-device FLOP/s for MFU; auto for known GPUs in bf16
-    preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGUSR2", "SIGTERM"])
     export: bool = True  # write <run_dir>/hf at the end
+    reshard: bool = False  # allow resuming on another world size (same global data cursor; not bit-exact)
 
 
 @dataclass
@@ -232,7 +235,9 @@ def _check_numbers(c: TrainConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"trainer.preempt_signals[{i}]: {e}") from None
     _require(c.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {c.data.seq_len}")
-    _require(c.backbone.window >= 1, "backbone.window", f"must be >= 1, got {c.backbone.window}")
+    _require(c.backbone.window is None or c.backbone.window >= 1, "backbone.window",
+             f"must be >= 1 or null, got {c.backbone.window}")
+    _require(c.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {c.data.num_workers}")
     _require(c.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {c.logging.log_every}")
     _choice(c.logging.wandb.mode, "logging.wandb.mode", ("offline", "online", "disabled"))
 
@@ -246,17 +251,24 @@ def _check_data(d: DataConfig) -> None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (PrepareConfig fields: {', '.join(sorted(known))})"
             raise ConfigError(f"data.prepare.{key}: unknown key{hint}")
+    _require(d.auto_prepare or bool(d.prepare.get("out_dir")), "data.prepare.out_dir",
+             "must name the prepared shard directory when data.auto_prepare is false")
 
 
 def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
     """``models.model_config`` for this run; ``ConfigError`` naming the model keys on a bad combination."""
-    from models import model_config
+    from models import SIZES, model_config
 
+    _choice(c.model.size, "model.size", list(SIZES))
+    overrides = dict(c.model.overrides)
+    if c.backbone.window is not None:
+        overrides["window"] = c.backbone.window
     try:
         return model_config(c.model.size, c.mixer.name, c.backbone.pattern, vocab_size,
-                            window=c.backbone.window, mixer_kwargs=mixer_kwargs(c.mixer), **c.model.overrides)
+                            mixer_kwargs=mixer_kwargs(c.mixer), **overrides)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model/mixer/backbone: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"model (size {c.model.size}, mixer {c.mixer.name}, pattern {c.backbone.pattern}): "
+                          f"{str(e).splitlines()[0]}") from None
 
 
 def load_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

@@ -108,10 +108,18 @@ class MetricLogger:
             self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
+        """Flush and close everything (idempotent)."""
         if not self.enabled:
             return
+        self.enabled = False
         self.file.close()
         if self.bar is not None:
             self.bar.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+    def __enter__(self) -> MetricLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

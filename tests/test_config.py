@@ -1,0 +1,151 @@
+"""The Hydra config tree: every option and paper preset composes and validates; bad values fail in one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import ConfigError, TrainConfig, build_model_config, derive_budget, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+GROUPS = ("model", "mixer", "backbone", "data", "optim", "trainer", "logging")
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def cfg_of(overrides: list[str]) -> TrainConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return load_config(compose("config", overrides=overrides))
+
+
+def test_default_is_the_cpu_demo() -> None:
+    c = cfg_of([])
+    assert (c.model.size, c.mixer.name, c.backbone.pattern, c.data.prepare["source"]) == (
+        "small", "kdn_diag", "recurrent", "embedded")
+    assert (c.mixer.mu, c.mixer.noise, c.trainer.device, c.trainer.precision) == ("dk", "learned", "auto", "auto")
+    assert c.data.auto_prepare and c.trainer.export and c.logging.wandb.mode == "offline"
+    assert c.run_dir == "runs/small_recurrent_kdn_diag"
+    o = c.optim
+    assert (o.lr, o.betas, o.weight_decay, o.grad_clip, o.warmup_frac, o.min_lr_ratio) == (
+        4e-4, [0.9, 0.95], 0.1, 1.0, 0.01, 0.1)
+
+
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
+def test_every_group_option_composes(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("data", "fineweb_edu"):
+        overrides.append("trainer=paper_50b")  # the demo's 4096-token batch holds no 4096-token window
+    c = cfg_of(overrides)
+    assert getattr(c, group) is not None
+    if group == "mixer":
+        assert c.mixer.name == option
+        assert build_model_config(c, 32000).mixer == option
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_paper_preset_composes(name: str) -> None:
+    c = cfg_of([f"experiment={name}"])
+    assert c.name == name and c.run_dir == f"runs/{name}"
+    size = "1.3b" if "1.3b" in name else "750m"
+    assert c.model.size == size
+    assert c.trainer.token_budget == (100 if size == "1.3b" else 50) * 10**9
+    assert (c.trainer.global_batch_tokens, c.data.seq_len, c.data.seed) == (524_288, 4096, 0)
+    assert c.data.prepare["source"] == "hub" and c.data.prepare["dataset"] == "HuggingFaceFW/fineweb-edu"
+    assert c.backbone.pattern == ("hybrid_swa" if name.startswith("hybrid") else "recurrent")
+    mc = build_model_config(c, 32000)
+    assert mc.num_layers == (18 if size == "1.3b" else 16) and mc.vocab_size == 32000
+    if name.startswith("table4_mu_"):
+        assert mc.mixer == "kdn_diag" and mc.mixer_kwargs["mu"] == name.removeprefix("table4_mu_")
+    if name.startswith("table5_"):
+        assert mc.mixer_kwargs["mu"] == "1" and mc.mixer_kwargs["noise"] == name.removeprefix("table5_")
+    b = derive_budget(c, world_size=8)
+    assert b.grad_accum * 8 * c.trainer.micro_batch_size * 4096 == 524_288
+    assert b.warmup_steps == -(-b.total_steps // 100)  # 1% of the budget, rounded up
+
+
+def test_presets_cover_the_paper_rows() -> None:
+    rows = {f"table1_750m_{m}" for m in ("kdn_diag", "kdn_iso", "kda", "mamba3_mimo")}
+    rows |= {f"table1_1.3b_{m}" for m in ("kdn_diag", "kdn_iso", "kda", "mamba3_mimo", "transformer_swa")}
+    rows |= {f"hybrid_1.3b_{m}" for m in ("kdn_diag", "kdn_iso", "kda")}
+    rows |= {f"table4_mu_{m}" for m in ("1", "sqrt", "dk", "4dk", "learned")}
+    rows |= {f"table5_{m}" for m in ("learned", "fixed_r", "fixed_r_omega")}
+    assert rows <= set(EXPERIMENTS)
+
+
+def test_ablations_are_plain_overrides() -> None:
+    c = cfg_of(["mixer.mu=1", "mixer.noise=fixed_r"])
+    assert build_model_config(c, 32000).mixer_kwargs == {"mu": "1", "noise": "fixed_r", "alpha_param": "kda"}
+    assert build_model_config(cfg_of(["mixer.mu=96.5"]), 32000).mixer_kwargs["mu"] == 96.5
+    assert build_model_config(cfg_of(["mixer.mu=learned"]), 32000).mixer_kwargs["mu"] == "learned"
+    c = cfg_of(["mixer=attn", "+mixer.kwargs.window=null"])
+    assert build_model_config(c, 32000).mixer_kwargs == {"window": None}
+
+
+@pytest.mark.parametrize("overrides,prefix", [
+    (["+trainer.max_stepz=3"], "trainer.max_stepz: unknown key (did you mean 'max_steps'?)"),
+    (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
+    (["model.size=2b"], "model.size: '2b' is not one of"),
+    (["mixer.mu=big"], "mixer.mu: 'big' is neither"),
+    (["mixer=kda", "+mixer.mu=1"], "mixer.mu: only the KDN mixers"),
+    (["mixer.noise=loud"], "mixer.noise: 'loud' is not one of"),
+    (["+mixer.kwargs.foo=1"], "model (size small, mixer kdn_diag, pattern recurrent): mixer 'kdn_diag' does not take"),
+    (["backbone.pattern=RSX"], "model (size small, mixer kdn_diag, pattern RSX): pattern 'RSX'"),
+    (["trainer.distributed=zero"], "trainer.distributed: 'zero' is not one of"),
+    (["trainer.global_batch_tokens=1000"], "trainer.global_batch_tokens: 1000 is not a multiple"),
+    (["trainer.preempt_signals=[SIGFOO]"], "trainer.preempt_signals[0]: unknown signal"),
+    (["+data.prepare.tokeniser=x"], "data.prepare.tokeniser: unknown key (did you mean 'tokenizer'?)"),
+    (["data.auto_prepare=false"], "data.prepare.out_dir: must name"),
+    (["optim.betas=[0.9]"], "optim.betas: must be two numbers"),
+    (["optim.lr=0"], "optim.lr: must be > 0"),
+    (["logging.wandb.mode=cloud"], "logging.wandb.mode: 'cloud' is not one of"),
+])
+def test_bad_values_fail_in_one_line_naming_the_key(overrides: list[str], prefix: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg_of(overrides)
+    msg = str(e.value)
+    assert msg.startswith(prefix) and "\n" not in msg, msg
+
+
+def test_slurm_launcher_config_composes() -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        c = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = c.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.signal_delay_s) == (8, 8, 180)
+    assert launcher.max_num_timeout > 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_rejects_bad_values_in_one_line() -> None:
+    bad = _cli("mixer.mu=big")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("config error: mixer.mu: 'big' is neither")
+    typo = _cli("trainer.max_stepz=3")
+    assert typo.returncode == 1 and "trainer.max_stepz" in typo.stderr.splitlines()[0]
+
+
+def test_multirun_sweep_gives_each_job_its_run_dir(tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    out = _cli("-m", "model=toy", "logging=quiet", f"runs_root={tmp_path}", "data.seq_len=64",
+               "trainer.micro_batch_size=2", "trainer.global_batch_tokens=128", "trainer.max_steps=1",
+               "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.export=false",
+               f"data.prepare.out_dir={shards}", "data.prepare.max_tokens=20000", "mixer.mu=1,dk")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for num, mu in enumerate(("1", "dk")):
+        run = tmp_path / "toy_recurrent_kdn_diag" / str(num)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        (record,) = [r for r in rows if "loss" in r]
+        assert record["step"] == 1
+        assert (run / "checkpoints" / "step_000000001" / "train_state.json").is_file()
+        assert OmegaConf.load(run / "config.yaml").mixer.mu == mu

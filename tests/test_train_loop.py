@@ -1,0 +1,155 @@
+"""train.py end to end on the CPU with the toy model: exact resume, preemption, NaN stop, export, DDP parity."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from trainer.config import TrainConfig, load_config
+from trainer.preemption import REQUEUE_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("WANDB_MODE", "disabled")  # never touch the network
+
+# toy model, 64-token windows, 2 sequences per micro-batch, 2 accumulation steps on one process
+TOY = ["model=toy", "logging=quiet", "data.seq_len=64", "trainer.micro_batch_size=2",
+       "trainer.global_batch_tokens=256", "trainer.eval_batches=2", "trainer.keep_last=5"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides pointing at a 60k-token slice of the embedded corpus, prepared once."""
+    out = tmp_path_factory.mktemp("shards") / "embedded"
+    return [f"data.prepare.out_dir={out}", "data.prepare.max_tokens=60000", "data.prepare.num_workers=1"]
+
+
+def make_cfg(overrides: list[str]) -> TrainConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return load_config(compose("config", overrides=overrides))
+
+
+def run_train(overrides: list[str]) -> dict:
+    from train import train
+
+    return train(make_cfg(overrides))
+
+
+def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+def test_exact_resume_and_export(tmp_path: Path, shards: list[str]) -> None:
+    common = TOY + shards + ["trainer.max_steps=6", "trainer.eval_every=3", "trainer.ckpt_every=0"]
+    straight = run_train(common + [f"run_dir={tmp_path / 'a'}"])
+    assert straight["finished"] and straight["step"] == 6
+    first = run_train(common + [f"run_dir={tmp_path / 'b'}", "trainer.stop_after=3"])
+    assert not first["finished"] and first["step"] == 3 and first["export"] is None
+    second = run_train(common + [f"run_dir={tmp_path / 'b'}"])
+    assert second["finished"]
+
+    train_a, val_a = records(tmp_path / "a")
+    train_b, val_b = records(tmp_path / "b")
+    assert [r["step"] for r in train_b] == list(range(1, 7))
+    assert [(r["loss"], r["lr"], r["grad_norm"]) for r in train_a] == [(r["loss"], r["lr"], r["grad_norm"])
+                                                                       for r in train_b]  # bitwise
+    assert [r["val_loss"] for r in val_a] == [r["val_loss"] for r in val_b]
+    assert train_a[-1]["loss"] < train_a[0]["loss"]
+    wa, wb = weights(straight["checkpoint"]), weights(second["checkpoint"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    state = json.loads((second["checkpoint"] / "train_state.json").read_text())
+    assert state["step"] == 6 and state["tokens_seen"] == 6 * 256 and state["loader"]["cursor"] == 6 * 4
+    assert state["wandb_id"] == json.loads((first["checkpoint"] / "train_state.json").read_text())["wandb_id"]
+
+    # the Hugging Face export loads with the Auto classes and holds the final weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import models  # noqa: F401  (registers kdn_lm)
+    from data import load_tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(straight["export"])
+    exported = hf.state_dict()
+    assert all(torch.equal(exported[k], wa[k]) for k in wa)
+    text = "In the beginning God created the heaven and the earth."
+    tok = AutoTokenizer.from_pretrained(straight["export"])
+    assert tok(text, add_special_tokens=False)["input_ids"] == load_tokenizer("mistral-v1").encode(text)
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, shards: list[str]) -> None:
+    from train import NonFiniteLossError
+
+    run = tmp_path / "nan"
+    with pytest.raises(NonFiniteLossError, match=r"non-finite training loss at step \d.*last good checkpoint") as err:
+        run_train(TOY + shards + [f"run_dir={run}", "trainer.max_steps=8", "trainer.ckpt_every=1",
+                                  "trainer.eval_every=0", "optim.lr=1e30", "optim.warmup_frac=0"])
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts and all(name.startswith("step_") for name in ckpts)  # no half-written directory
+    assert str(run / "checkpoints" / ckpts[-1]) in str(err.value)
+    assert all(t.isfinite().all() for t in weights(run / "checkpoints" / ckpts[-1]).values())
+
+
+def test_varlen_batches_train(tmp_path: Path, shards: list[str]) -> None:
+    out = run_train(TOY + shards + [f"run_dir={tmp_path / 'v'}", "data.varlen=true", "trainer.max_steps=2",
+                                     "trainer.eval_every=0", "trainer.export=false"])
+    losses = [r["loss"] for r in records(tmp_path / "v")[0]]
+    assert out["finished"] and len(losses) == 2 and all(8 < x < 12 for x in losses)
+
+
+def _cli(args: list[str], **kw: object) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: list[str]) -> None:
+    run = tmp_path / "pre"
+    args = ["train.py", *TOY, *shards, f"run_dir={run}", "trainer.max_steps=200", "trainer.eval_every=0",
+            "trainer.ckpt_every=0"]
+    proc = _cli(args)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
+    (ckpt,) = (run / "checkpoints").iterdir()
+    saved = json.loads((ckpt / "train_state.json").read_text())["step"]
+    logged = [r["step"] for r in records(run)[0]]
+    assert 2 <= saved < 200 and logged[-1] == saved  # saved right after the step the signal interrupted
+    # the requeued job resumes from that step
+    proc = _cli([*args, f"trainer.stop_after={saved + 2}"])
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resumed from {ckpt}" in out
+    assert [r["step"] for r in records(run)[0]] == list(range(1, saved + 3))
+
+
+def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards: list[str]) -> None:
+    """Same global batch: 1 process x 2 accumulation steps vs 2 processes (gloo) x 1 reads the same
+    windows per step (the loader gives rank r the r-th block), so the losses agree to FP32 rounding."""
+    common = [*TOY, *shards, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.export=false"]
+    one = run_train([*common, f"run_dir={tmp_path / 'one'}"])
+    assert one["finished"]
+    proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
+                 f"run_dir={tmp_path / 'two'}"])
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "2 processes x 1 accumulation" in out
+    l1 = [r["loss"] for r in records(tmp_path / "one")[0]]
+    l2 = [r["loss"] for r in records(tmp_path / "two")[0]]
+    assert len(l1) == len(l2) == 3
+    assert l1 == pytest.approx(l2, rel=1e-5, abs=0)
