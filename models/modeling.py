@@ -176,11 +176,14 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
         self, input_ids: Tensor, cache: KDNCache | None = None, attention_mask: Tensor | None = None,
         use_cache: bool = True, past_key_values: KDNCache | None = None, **kwargs: object,
     ) -> dict[str, object]:
-        """Feed only the tokens the cache has not consumed yet."""
+        """Feed only the tokens the cache has not consumed yet (and keep ``logits_to_keep``)."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and cache.seen_tokens:
             input_ids = input_ids[:, cache.seen_tokens:]
-        return {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
+        inputs = {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
+        if kwargs.get("logits_to_keep") is not None:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs
 
     def forward(
         self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, labels: Tensor | None = None,

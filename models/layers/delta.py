@@ -101,10 +101,10 @@ class _DeltaRule(nn.Module):
         return k, beta * k, v
 
     def fla_call(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled."""
+        """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled, ``S0 [N,H,K,V]`` FP32 or ``None``."""
         raise NotImplementedError
 
     def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
@@ -141,13 +141,16 @@ class _DeltaRule(nn.Module):
             k = k * mask[..., None, None].to(k.dtype)
             if g is not None:
                 g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
-        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        dt = torch.promote_types(x.dtype, torch.float32)
-        S0 = last["recurrent"] if last is not None else x.new_zeros(n_seq, H, K, self.front.V, dtype=dt)
+        S0 = last["recurrent"] if last is not None else None
         if self.resolve_backend(x.device) == "fla":  # one activation dtype for the kernels (v's, under autocast)
             cu = cu_seqlens.to(x.device) if cu_seqlens is not None else None
-            o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, S0, use_cache, cu)
+            h0 = S0.float() if S0 is not None else None
+            o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, h0, use_cache, cu)
         else:
+            dt = torch.promote_types(x.dtype, torch.float32)
+            if S0 is None:
+                n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+                S0 = x.new_zeros(n_seq, H, K, self.front.V, dtype=dt)
             with torch.autocast(x.device.type, enabled=False):  # the scan runs in FP32 even under autocast
                 o, S = self.torch_call(q, k, v, g, terms, S0, cu_seqlens, dt)
         beta_eff = self.effective_strength(k.float(), terms) if output_beta_eff else None
@@ -188,13 +191,13 @@ class DeltaNet(_DeltaRule):
         return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
 
     def fla_call(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.delta_rule import chunk_delta_rule
 
         return chunk_delta_rule(q, k, v, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                                initial_state=S0.float(), output_final_state=output_final_state,
+                                initial_state=S0, output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens)
 
 
@@ -215,13 +218,13 @@ class GatedDeltaNet(_DeltaRule):
         return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
 
     def fla_call(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                                      initial_state=S0.float(), output_final_state=output_final_state,
+                                      initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
 
 
@@ -239,13 +242,13 @@ class KDA(_DeltaRule):
         return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
 
     def fla_call(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                         initial_state=S0.float(), output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                         initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 class GDN2(_DeltaRule):
@@ -273,13 +276,13 @@ class GDN2(_DeltaRule):
         return (terms["b"] * k * k).sum(-1)
 
     def fla_call(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gdn2 import chunk_gdn2
 
         return chunk_gdn2(q, k, v, g.float(), terms["b"].to(q.dtype), terms["w"].to(q.dtype),
-                          scale=self.head_dim ** -0.5, initial_state=S0.float(),
+                          scale=self.head_dim ** -0.5, initial_state=S0,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
