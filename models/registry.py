@@ -25,7 +25,6 @@ class MixerSpec:
     """How to build one kind of mixer and how much recurrent state it carries."""
 
     name: str
-    description: str
     kwargs: tuple[str, ...]
     build: Callable[[Any, int, dict], nn.Module]
     state_size: Callable[[Any, dict], int | None]
@@ -64,19 +63,17 @@ def _kdn(isotropic: bool) -> MixerSpec:
     def state(cfg: Any, kw: dict) -> int:
         return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
 
-    kind = "Isotropic" if isotropic else "Diagonal"
-    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", f"{kind} Kalman Delta Network (ours)",
-                     ("mu", "alpha_param", "noise", "backend"), build, state)
+    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", ("mu", "alpha_param", "noise", "backend"), build, state)
 
 
-def _delta(name: str, description: str) -> MixerSpec:
+def _delta(name: str) -> MixerSpec:
     cls = DELTA_MIXERS[name]
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         return cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
                    layer_idx=idx, **kw)
 
-    return MixerSpec(name, description, ("output_gate", "backend"), build, _matrix_state)
+    return MixerSpec(name, ("output_gate", "backend"), build, _matrix_state)
 
 
 MAMBA3_KWARGS = ("state_size", "expand", "head_dim", "n_groups", "rope_fraction", "mimo_rank", "chunk_size",
@@ -106,9 +103,7 @@ def _mamba3(mimo: bool) -> MixerSpec:
         inner = int(kw.get("expand", 2) * cfg.hidden_size)
         return inner * mamba3_state_size(cfg, kw)
 
-    return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}",
-                     f"Mamba-3 {'MIMO (rank mimo_rank, default 4)' if mimo else 'SISO'}, fla parametrisation",
-                     MAMBA3_KWARGS, build, state)
+    return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}", MAMBA3_KWARGS, build, state)
 
 
 def attention_window(cfg: Any, kw: dict) -> int | None:
@@ -127,18 +122,17 @@ def _attn() -> MixerSpec:
         w = window(cfg, kw)
         return None if w is None else 2 * (w - 1) * cfg.num_heads * cfg.head_dim
 
-    return MixerSpec("attn", "softmax attention with RoPE: sliding window (window, default config.window) or "
-                     "full (window=None)", ("window", "rope_theta"), build, state)
+    return MixerSpec("attn", ("window", "rope_theta"), build, state)
 
 
 MIXERS: MixerRegistry = MixerRegistry({
-    "kdn_diag": _kdn(False),
-    "kdn_iso": _kdn(True),
-    "deltanet": _delta("deltanet", "DeltaNet (fla DeltaNet)"),
-    "gdn": _delta("gdn", "Gated DeltaNet (fla GatedDeltaNet)"),
-    "kda": _delta("kda", "Kimi Delta Attention (fla KimiDeltaAttention)"),
-    "gdn2": _delta("gdn2", "Gated DeltaNet-2 (fla GatedDeltaNet2)"),
-    "mamba3_siso": _mamba3(False),
-    "mamba3_mimo": _mamba3(True),
-    "attn": _attn(),
+    "kdn_diag": _kdn(False),  # Diagonal KDN (ours)
+    "kdn_iso": _kdn(True),  # Isotropic KDN (ours)
+    "deltanet": _delta("deltanet"),  # fla DeltaNet
+    "gdn": _delta("gdn"),  # fla GatedDeltaNet
+    "kda": _delta("kda"),  # fla KimiDeltaAttention
+    "gdn2": _delta("gdn2"),  # fla GatedDeltaNet2
+    "mamba3_siso": _mamba3(False),  # fla Mamba3, SISO
+    "mamba3_mimo": _mamba3(True),  # fla Mamba3, MIMO (mimo_rank, default 4)
+    "attn": _attn(),  # softmax attention with RoPE: sliding (window) or full (window=None)
 })

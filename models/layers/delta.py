@@ -15,6 +15,8 @@ Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs doc
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -70,7 +72,7 @@ class FrontEnd(DeltaFrontEnd):
         return self.o_proj(y.reshape(B, T, self.H * self.V))
 
 
-class _DeltaRule(nn.Module):
+class _DeltaRule(nn.Module, abc.ABC):
     """Shared forward of the delta-rule baselines; subclasses define the write terms and the kernel call."""
 
     gate: str = "channel"
@@ -91,21 +93,21 @@ class _DeltaRule(nn.Module):
                               conv_size=conv_size, norm_eps=norm_eps)
 
     # -- per-rule pieces ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def write_terms(self, x: Tensor) -> dict[str, Tensor]:
         """The rule's write strengths from ``x [B, T, d_model]`` (FP32)."""
-        raise NotImplementedError
 
     def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(read key r, write vector kappa, value u)`` of the generic rule, from ``k [B,T,H,K]``, ``v``."""
         beta = terms["beta"][..., None]
         return k, beta * k, v
 
+    @abc.abstractmethod
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled, ``S0 [N,H,K,V]`` FP32 or ``None``."""
-        raise NotImplementedError
 
     def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
         """``r_t^T kappa_t`` per token, ``[B, T, H]`` (the rule's ``beta_eff``)."""

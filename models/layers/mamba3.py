@@ -198,11 +198,9 @@ class Mamba3(nn.Module):
         self.D._no_weight_decay = True
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
 
-    def state_elements(self) -> int:
-        """Elements of the recurrent memory ``S`` per sequence: ``heads x head_dim x state_size``."""
-        return self.num_heads * self.head_dim * self.state_size
-
     def _project(self, x: Tensor) -> dict[str, Tensor]:
+        """Split ``in_proj(x)``: ``z, x [B,T,H,P]``, normalised ``k`` (B) and ``q`` (C) ``[B,T,R,G,N]``,
+        ``adt, dt [B,T,H]`` (FP32), raw ``trap [B,T,H]`` and ``angles [B,T,A]``."""
         B, T = x.shape[:2]
         H, P, N, R, G = self.num_heads, self.head_dim, self.state_size, self.mimo_rank, self.n_groups
         z, xv, Bm, Cm, dd_dt, dd_A, trap, angles = torch.split(
