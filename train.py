@@ -128,7 +128,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         loader.load_state_dict(state.loader)
         log.info(f"resumed from {last} (step {state.step}, {state.tokens_seen:,} tokens)")
     log.info(f"{cfg.name}: {n_params / 1e6:.1f}M parameters, {budget.total_steps} steps of "
-             f"{budget.tokens_per_step:,} tokens ({world} processes x {budget.grad_accum} accumulation x "
+             f"{budget.tokens_per_step:,} tokens ({world} process(es) x {budget.grad_accum} accumulation x "
              f"{cfg.trainer.micro_batch_size} x {cfg.data.seq_len}), warm-up {budget.warmup_steps}, {precision}")
 
     def save() -> Path:
@@ -199,7 +199,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if done or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0):
                 val_loss = evaluate(model, accelerator, val_loader, cfg.trainer.eval_batches)
                 metrics.log({"step": state.step, "val_loss": val_loss})
-            if stop or done or (cfg.trainer.ckpt_every and state.step % cfg.trainer.ckpt_every == 0):
+            every = cfg.trainer.ckpt_every
+            if stop or (every >= 0 and done) or (every > 0 and state.step % every == 0):
                 log.info(f"step {state.step}: checkpoint {save()}")
             if preempted:
                 log.warning(f"preemption signal: saved step {state.step}; exiting for a requeue")
@@ -215,6 +216,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         export_hf(accelerator, model, tokenizer, export)
         log.info(f"exported the model and tokenizer to {export}")
     accelerator.end_training()
+    accelerator.free_memory()  # a multirun's next job starts from an empty device
     return {"step": state.step, "tokens_seen": state.tokens_seen, "loss": loss, "val_loss": val_loss,
             "finished": finished, "checkpoint": ckpt.latest(), "export": export if export.is_dir() else None}
 

@@ -16,7 +16,8 @@ from trainer.config import ConfigError, TrainConfig, build_model_config, derive_
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 GROUPS = ("model", "mixer", "backbone", "data", "optim", "trainer", "logging")
-EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if not p.stem.startswith("gpu_"))
+GPU_CHECKS = sorted(p.stem for p in (CONF / "experiment").glob("gpu_*.yaml"))
 
 
 def cfg_of(overrides: list[str]) -> TrainConfig:
@@ -39,8 +40,8 @@ def test_default_is_the_cpu_demo() -> None:
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
 def test_every_group_option_composes(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
-    if (group, option) == ("data", "fineweb_edu"):
-        overrides.append("trainer=paper_50b")  # the demo's 4096-token batch holds no 4096-token window
+    if (group, option) in (("data", "fineweb_edu"), ("data", "embedded_long")):
+        overrides.append("trainer=paper_50b")  # the demo's 1024-token batch holds no 2K-4K-token window
     c = cfg_of(overrides)
     assert getattr(c, group) is not None
     if group == "mixer":
@@ -67,6 +68,18 @@ def test_every_paper_preset_composes(name: str) -> None:
     b = derive_budget(c, world_size=8)
     assert b.grad_accum * 8 * c.trainer.micro_batch_size * 4096 == 524_288
     assert b.warmup_steps == -(-b.total_steps // 100)  # 1% of the budget, rounded up
+
+
+@pytest.mark.parametrize("name", GPU_CHECKS)
+def test_gpu_check_presets_compose(name: str) -> None:
+    c = cfg_of([f"experiment={name}"])
+    assert c.name == name and c.data.auto_prepare and c.data.prepare["source"] == "embedded"
+    assert derive_budget(c, world_size=1).total_steps >= 30
+    if name == "gpu_parity_100m":  # the same global batch on one and on two GPUs
+        assert (derive_budget(c, 1).grad_accum, derive_budget(c, 2).grad_accum) == (2, 1)
+    if name == "gpu_throughput_750m":  # three mixers side by side through a multirun
+        for mixer in ("kdn_diag", "kdn_iso", "kda"):
+            assert build_model_config(cfg_of([f"experiment={name}", f"mixer={mixer}"]), 32000).mixer == mixer
 
 
 def test_presets_cover_the_paper_rows() -> None:

@@ -148,7 +148,7 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
                  f"run_dir={tmp_path / 'two'}"])
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
-    assert "2 processes x 1 accumulation" in out
+    assert "2 process(es) x 1 accumulation" in out
     l1 = [r["loss"] for r in records(tmp_path / "one")[0]]
     l2 = [r["loss"] for r in records(tmp_path / "two")[0]]
     assert len(l1) == len(l2) == 3

@@ -76,7 +76,7 @@ class TrainerConfig:
     stop_after: int | None = None  # save and exit 0 after this step; the schedule keeps the full budget
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
-    ckpt_every: int = 100  # 0: only at the end and on preemption
+    ckpt_every: int = 100  # 0: only at the end (and on stop_after/preemption); -1: not at the end either
     keep_last: int = 2
     distributed: str = "ddp"  # ddp or fsdp (FSDP2 through accelerate)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bf16, fp32
@@ -223,8 +223,9 @@ def _check_numbers(c: TrainConfig) -> None:
     for key in ("max_steps", "stop_after"):
         value = getattr(t, key)
         _require(value is None or value >= 1, f"trainer.{key}", f"must be >= 1 or null, got {value}")
-    for key in ("eval_every", "ckpt_every"):
-        _require(getattr(t, key) >= 0, f"trainer.{key}", f"must be >= 0 (0 = only at the end), got {getattr(t, key)}")
+    _require(t.eval_every >= 0, "trainer.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
+    _require(t.ckpt_every >= -1, "trainer.ckpt_every",
+             f"must be >= -1 (0 = only at the end, -1 = only on preemption), got {t.ckpt_every}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be > 0 or null, got {t.peak_flops}")
     _choice(t.distributed, "trainer.distributed", ("ddp", "fsdp"))
     _choice(t.precision, "trainer.precision", ("auto", "bf16", "fp32"))

@@ -1,0 +1,38 @@
+#!/bin/bash
+# The GPU measurements of issue 6, for bench/RESULTS.md. Each part stays under 10 minutes on H200s.
+#   slurm/gpu_checks.sh 100m        # one GPU: ~100M KDN, 500 steps, falling loss
+#   slurm/gpu_checks.sh throughput  # one GPU: 750M kdn_diag / kdn_iso / kda side by side
+#   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves
+# Results: the summary tables printed at the end, and runs/<name>/summary.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+case "${1:-}" in
+  100m)
+    rm -rf runs/gpu_100m_kdn_diag
+    python train.py experiment=gpu_100m_kdn_diag
+    python -m trainer.summarize runs/gpu_100m_kdn_diag --json runs/gpu_100m_kdn_diag/summary.json
+    ;;
+  throughput)
+    rm -rf runs/gpu_throughput_750m
+    python train.py -m experiment=gpu_throughput_750m mixer=kdn_diag,kdn_iso,kda
+    python -m trainer.summarize runs/gpu_throughput_750m/{0,1,2} --json runs/gpu_throughput_750m/summary.json
+    ;;
+  parity)
+    rm -rf runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
+    CUDA_VISIBLE_DEVICES=0 python train.py experiment=gpu_parity_100m name=gpu_parity_1gpu
+    accelerate launch --multi_gpu --num_processes 2 train.py \
+      experiment=gpu_parity_100m name=gpu_parity_2gpu
+    accelerate launch --multi_gpu --num_processes 2 train.py \
+      experiment=gpu_parity_100m name=gpu_parity_2gpu_fsdp trainer.distributed=fsdp
+    python -m trainer.summarize runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
+    python -m trainer.summarize --compare runs/gpu_parity_1gpu runs/gpu_parity_2gpu \
+      --json runs/gpu_parity_2gpu/compare.json
+    python -m trainer.summarize --compare runs/gpu_parity_1gpu runs/gpu_parity_2gpu_fsdp \
+      --json runs/gpu_parity_2gpu_fsdp/compare.json
+    ;;
+  *)
+    echo "usage: $0 100m|throughput|parity" >&2
+    exit 2
+    ;;
+esac
