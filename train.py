@@ -3,18 +3,17 @@
     python train.py                                   # README main job: small KDN, embedded corpus, CPU
     python train.py model=toy trainer.max_steps=30    # a short run
     python train.py experiment=table1_750m_kdn_diag   # one paper row
-    python train.py -m experiment=table4_mu_1,table4_mu_dk   # a sweep (hydra/launcher=submitit_slurm on SLURM)
+    python train.py -m experiment=table4_mu_1,table4_mu_dk   # a sweep (slurm/sweep.sh submits it to SLURM)
     accelerate launch --num_processes 2 train.py ...  # DDP; add trainer.distributed=fsdp for FSDP2
 
 Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default): ``config.yaml`` (the
-validated config), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export), wandb's
-offline files. Rerunning the same
-command resumes from the newest checkpoint there. SIGUSR1/SIGTERM save at the next step boundary
-and exit with code 75 for a requeue; a NaN/Inf loss stops the run and keeps the last good checkpoint.
+validated config), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export) and
+wandb's offline files. Rerunning the same command resumes from the newest checkpoint there.
+SIGUSR1/SIGTERM save at the next step boundary and exit with code 75 for a requeue; a NaN/Inf loss
+stops the run and keeps the last good checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -81,7 +80,13 @@ def evaluate(model: torch.nn.Module, accelerator: Accelerator, loader: TokenLoad
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) one training job; returns a summary of where it ended."""
+    """Run (or resume) one training job; returns a summary of where it ended. The preemption signals
+    are caught from the start (a signal during set-up is acted on at the first step boundary)."""
+    with Preemption(cfg.trainer.preempt_signals) as preemption:
+        return _train(cfg, preemption)
+
+
+def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     budget = derive_budget(cfg, world_size(cfg.trainer))
     accelerator, precision = build_accelerator(cfg.trainer, budget.grad_accum)
@@ -140,12 +145,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     peak = peak_flops(device, precision, cfg.trainer.peak_flops)
     loss = val_loss = float("nan")
     already_done = state.step >= budget.total_steps
-    with contextlib.ExitStack() as stack:
-        preemption = stack.enter_context(Preemption(cfg.trainer.preempt_signals))
-        metrics = stack.enter_context(MetricLogger(
+    with MetricLogger(
             run_dir, enabled=accelerator.is_main_process, resume_step=state.step, total_steps=budget.total_steps,
             progress=cfg.logging.progress, wandb_mode=cfg.logging.wandb.mode, wandb_project=cfg.logging.wandb.project,
-            wandb_entity=cfg.logging.wandb.entity, wandb_id=state.wandb_id, run_name=cfg.name, config=asdict(cfg)))
+            wandb_entity=cfg.logging.wandb.entity, wandb_id=state.wandb_id, run_name=cfg.name, config=asdict(cfg),
+    ) as metrics:
         batches = iter(loader)
         t_last, steps_since = time.perf_counter(), 0
         while state.step < budget.total_steps:

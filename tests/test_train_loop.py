@@ -153,3 +153,14 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
     l2 = [r["loss"] for r in records(tmp_path / "two")[0]]
     assert len(l1) == len(l2) == 3
     assert l1 == pytest.approx(l2, rel=1e-5, abs=0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_run_reports_mfu_and_memory(tmp_path: Path, shards: list[str]) -> None:
+    out = run_train(TOY + shards + [f"run_dir={tmp_path / 'g'}", "trainer.device=cuda", "trainer.max_steps=4",
+                                     "trainer.eval_every=0", "trainer.export=false"])
+    rows = records(tmp_path / "g")[0]
+    assert out["finished"] and len(rows) == 4 and all(8 < r["loss"] < 12 for r in rows)
+    assert all(r["peak_mem_gib"] > 0 for r in rows)
+    if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
+        assert all(0 < r["mfu"] < 1 for r in rows)

@@ -176,3 +176,30 @@ def test_metrics_helpers(tmp_path) -> None:
     assert format_eta(3725.0) == "1:02:05" and format_eta(math.inf) == "?"
     assert peak_flops(torch.device("cpu"), "fp32", None) is None
     assert peak_flops(torch.device("cpu"), "fp32", 1e12) == 1e12
+
+
+def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
+    from trainer.summarize import compare, main, summarize
+
+    def write(run, losses, tok_s, scale=1.0):
+        run.mkdir()
+        rows = [{"step": s + 1, "loss": scale * x, "tokens_per_s_per_device": t, "mfu": t / 1e6,
+                 "peak_mem_gib": 10.0 + s} for s, (x, t) in enumerate(zip(losses, tok_s))]
+        rows.append({"step": len(losses), "val_loss": 4.5})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    losses = [10.0 - 0.2 * s + 0.05 * (-1) ** s for s in range(30)]
+    speeds = [1000.0] + [5e5 + 1e3 * s for s in range(29)]  # the first interval (start-up) is excluded
+    write(tmp_path / "a", losses, speeds)
+    write(tmp_path / "b", losses, speeds, scale=1.001)
+    write(tmp_path / "c", losses, speeds, scale=1.1)
+    row = summarize(tmp_path / "a")
+    assert (row["steps"], row["first_loss"], row["last_loss"], row["val_loss"]) == (30, losses[0], losses[-1], 4.5)
+    assert row["tokens_per_s_per_device"] == 5e5 + 14e3 and row["peak_mem_gib"] == 39.0
+    assert compare(tmp_path / "a", tmp_path / "b")["max_rel_gap"] == pytest.approx(0.001 / 1.001)
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--compare"]) == 0
+    assert main([str(tmp_path / "a"), str(tmp_path / "c"), "--compare"]) == 1
+    assert main([str(tmp_path / "a"), str(tmp_path / "c"), "--json", str(tmp_path / "s.json")]) == 0
+    assert len(json.loads((tmp_path / "s.json").read_text())) == 2
+    with pytest.raises(ValueError, match="metrics.jsonl does not exist"):
+        summarize(tmp_path)
