@@ -179,11 +179,8 @@ class _DeltaRule(nn.Module, abc.ABC):
         return (repack(o, cu_seqlens) if cu_seqlens is not None else o), S
 
 
-class DeltaNet(_DeltaRule):
-    """DeltaNet (fla ``DeltaNet``): ``S_t = (I - beta k k^T) S + beta k v^T``, no decay, plain output norm."""
-
-    gate = "none"
-    output_gate_default = "none"
+class _ScalarBetaRule(_DeltaRule):
+    """A rule whose write strength is one ``beta = sigmoid(b_proj(x))`` per head (fla's ``b_proj``)."""
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
         super().__init__(hidden_size, num_heads, head_dim, **kw)
@@ -191,6 +188,13 @@ class DeltaNet(_DeltaRule):
 
     def write_terms(self, x: Tensor) -> dict[str, Tensor]:
         return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
+
+
+class DeltaNet(_ScalarBetaRule):
+    """DeltaNet (fla ``DeltaNet``): ``S_t = (I - beta k k^T) S + beta k v^T``, no decay, plain output norm."""
+
+    gate = "none"
+    output_gate_default = "none"
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
@@ -203,7 +207,7 @@ class DeltaNet(_DeltaRule):
                                 cu_seqlens=cu_seqlens)
 
 
-class GatedDeltaNet(_DeltaRule):
+class GatedDeltaNet(_ScalarBetaRule):
     """Gated DeltaNet (fla ``GatedDeltaNet``): a per-head decay ``g = -exp(A_log) softplus(a(x) + dt_bias)``,
     full-rank swish output gate."""
 
@@ -212,12 +216,8 @@ class GatedDeltaNet(_DeltaRule):
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
         super().__init__(hidden_size, num_heads, head_dim, **kw)
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         with torch.no_grad():  # fla's Gated DeltaNet draws A from U(0, 16)
             self.front.A_log.copy_(torch.empty_like(self.front.A_log).uniform_(0, 16).clamp_min(1e-4).log())
-
-    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
@@ -230,18 +230,11 @@ class GatedDeltaNet(_DeltaRule):
                                       cu_seqlens=cu_seqlens)
 
 
-class KDA(_DeltaRule):
+class KDA(_ScalarBetaRule):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head."""
 
     gate = "channel"
     output_gate_default = "sigmoid"
-
-    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
-        super().__init__(hidden_size, num_heads, head_dim, **kw)
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
-
-    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
