@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,10 @@ def test_every_group_option_composes(group: str, option: str) -> None:
     if (group, option) in (("data", "fineweb_edu"), ("data", "embedded_long")):
         overrides.append("trainer=paper_50b")  # the demo's 1024-token batch holds no 2K-4K-token window
     c = cfg_of(overrides)
-    assert getattr(c, group) is not None
+    # every schema key is in the file, so that any of them can be overridden without a "+"
+    keys = set(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    schema = {f.name for f in fields(type(getattr(c, group)))}
+    assert keys == (schema if group != "mixer" or option.startswith("kdn") else {"name", "kwargs"})
     if group == "mixer":
         assert c.mixer.name == option
         assert build_model_config(c, 32000).mixer == option
@@ -60,7 +64,7 @@ def test_every_paper_preset_composes(name: str) -> None:
     assert c.data.prepare["source"] == "hub" and c.data.prepare["dataset"] == "HuggingFaceFW/fineweb-edu"
     assert c.backbone.pattern == ("hybrid_swa" if name.startswith("hybrid") else "recurrent")
     mc = build_model_config(c, 32000)
-    assert mc.num_layers == (18 if size == "1.3b" else 16) and mc.vocab_size == 32000
+    assert mc.num_layers == (18 if size == "1.3b" else 16) and mc.vocab_size == 32000 and mc.window == 2048
     if name.startswith("table4_mu_"):
         assert mc.mixer == "kdn_diag" and mc.mixer_kwargs["mu"] == name.removeprefix("table4_mu_")
     if name.startswith("table5_"):

@@ -139,16 +139,20 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
 
 
 def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards: list[str]) -> None:
-    """Same global batch: 1 process x 2 accumulation steps vs 2 processes (gloo) x 1 reads the same
-    windows per step (the loader gives rank r the r-th block), so the losses agree to FP32 rounding."""
+    """Same global batch: 1 process x 2 accumulation steps vs 2 processes (gloo) x 1 read the same windows per
+    step (the loader gives rank r the r-th block), so the losses agree to FP32 rounding. The 2-process run
+    stops after 2 steps and one process resumes it (trainer.reshard=true) for step 3."""
     common = [*TOY, *shards, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.export=false"]
     one = run_train([*common, f"run_dir={tmp_path / 'one'}"])
     assert one["finished"]
     proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
-                 f"run_dir={tmp_path / 'two'}"])
+                 f"run_dir={tmp_path / 'two'}", "trainer.stop_after=2"])
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "2 process(es) x 1 accumulation" in out
+    with pytest.raises(ValueError, match="written by 2 processes"):
+        run_train([*common, f"run_dir={tmp_path / 'two'}"])
+    assert run_train([*common, f"run_dir={tmp_path / 'two'}", "trainer.reshard=true"])["finished"]
     l1 = [r["loss"] for r in records(tmp_path / "one")[0]]
     l2 = [r["loss"] for r in records(tmp_path / "two")[0]]
     assert len(l1) == len(l2) == 3
