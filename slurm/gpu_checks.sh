@@ -7,24 +7,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+# Shards prepared elsewhere (a machine without the corpus package can carry data/cache/) are used as they are.
+DATA=()
+if [ -f data/cache/embedded-kjv-val10-mistral-v1/meta.json ]; then DATA=(data.auto_prepare=false); fi
 case "${1:-}" in
   100m)
     rm -rf runs/gpu_100m_kdn_diag
-    python train.py experiment=gpu_100m_kdn_diag
+    python train.py experiment=gpu_100m_kdn_diag "${DATA[@]}"
     python -m trainer.summarize runs/gpu_100m_kdn_diag --json runs/gpu_100m_kdn_diag/summary.json
     ;;
   throughput)
     rm -rf runs/gpu_throughput_750m
-    python train.py -m experiment=gpu_throughput_750m mixer=kdn_diag,kdn_iso,kda
+    python train.py -m experiment=gpu_throughput_750m mixer=kdn_diag,kdn_iso,kda "${DATA[@]}"
     python -m trainer.summarize runs/gpu_throughput_750m/{0,1,2} --json runs/gpu_throughput_750m/summary.json
     ;;
   parity)
     rm -rf runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
-    CUDA_VISIBLE_DEVICES=0 python train.py experiment=gpu_parity_100m name=gpu_parity_1gpu
+    CUDA_VISIBLE_DEVICES=0 python train.py experiment=gpu_parity_100m name=gpu_parity_1gpu "${DATA[@]}"
     accelerate launch --multi_gpu --num_processes 2 train.py \
-      experiment=gpu_parity_100m name=gpu_parity_2gpu
+      experiment=gpu_parity_100m name=gpu_parity_2gpu "${DATA[@]}"
     accelerate launch --multi_gpu --num_processes 2 train.py \
-      experiment=gpu_parity_100m name=gpu_parity_2gpu_fsdp trainer.distributed=fsdp
+      experiment=gpu_parity_100m name=gpu_parity_2gpu_fsdp trainer.distributed=fsdp "${DATA[@]}"
     python -m trainer.summarize runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
     python -m trainer.summarize --compare runs/gpu_parity_1gpu runs/gpu_parity_2gpu \
       --json runs/gpu_parity_2gpu/compare.json
