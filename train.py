@@ -229,11 +229,10 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
 def main(dict_cfg: DictConfig) -> None:
     dict_cfg.run_dir = HydraConfig.get().runtime.output_dir  # == run_dir; per-job subdir under -m
     try:
-        cfg = load_config(dict_cfg)
-    except ConfigError as e:
+        train(load_config(dict_cfg))
+    except ConfigError as e:  # bad values, an impossible batch split, a missing device: one line
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    train(cfg)
 
 
 if __name__ == "__main__":
