@@ -2,8 +2,9 @@
 
 ``S_t = (I - kappa_t k_t^T) D_t S_{t-1} + kappa_t v_t^T``, ``o_t = S_t^T q_t``. Inside each chunk the
 innovations solve a unit lower-triangular system (the UT transform); across chunks the state is
-carried. Decay ratios ``Gamma_t / Gamma_s`` are ``exp(gc_t - gc_s)`` of cumulative log-retention,
-masked before exponentiation, so strong forgetting neither overflows nor loses accuracy.
+carried. Decay ratios ``Gamma_t / Gamma_s`` come from cumulative log-retention ``gc``: as
+``exp(gc_t) exp(-gc_s)`` (two matmuls) while a chunk's span keeps both factors representable, otherwise
+as ``exp(gc_t - gc_s)`` masked before exponentiation, so strong forgetting neither overflows nor loses accuracy.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MEMORY_CHUNK = 32
+# Largest in-chunk log-decay span for which exp(gc_t) and exp(-gc_s) are both representable with ample
+# margin; beyond it the pairwise ratios exp(gc_t - gc_s) are formed directly (exact, but C times the memory).
+SAFE_SPAN = {torch.float32: 60.0, torch.float64: 600.0}
 
 
 def memory_chunk(
@@ -34,15 +38,21 @@ def memory_chunk(
 
     q, k, kappa, v, g = map(split, (q, k, kappa, v, g))
     gc = g.cumsum(3)
-    incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    diff = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
-    decay = diff.exp()  # [B,H,N,C(t),C(s),K], Gamma_t / Gamma_s for s <= t, else 0
-
-    A = torch.einsum("...tk,...tsk,...sk->...ts", k, decay, kappa).tril(-1)
+    if -gc[..., -1, :].min() < SAFE_SPAN.get(gc.dtype, 0.0):
+        # every in-chunk decay ratio is a product of two representable factors: two matmuls
+        left, right = gc.exp(), (-gc).exp()
+        kappa_r = kappa * right
+        A = ((k * left) @ kappa_r.transpose(-1, -2)).tril(-1)
+        M_q = ((q * left) @ kappa_r.transpose(-1, -2)).tril()
+    else:
+        incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+        diff = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
+        decay = diff.exp()  # [B,H,N,C(t),C(s),K], Gamma_t / Gamma_s for s <= t, else 0
+        A = torch.einsum("...tk,...tsk,...sk->...ts", k, decay, kappa).tril(-1)
+        M_q = torch.einsum("...tk,...tsk,...sk->...ts", q, decay, kappa)
     L = A + torch.eye(chunk, dtype=A.dtype, device=A.device)
     W_v = torch.linalg.solve_triangular(L, v, upper=False, unitriangular=True)
     W_k = torch.linalg.solve_triangular(L, k * gc.exp(), upper=False, unitriangular=True)
-    M_q = torch.einsum("...tk,...tsk,...sk->...ts", q, decay, kappa)
     q_g = q * gc.exp()
     g_last = gc[..., -1:, :]
     kappa_dec = kappa * (g_last - gc).exp()

@@ -22,9 +22,12 @@ def _api(isotropic: bool):
     return kdn.isotropic_kdn if isotropic else kdn.diagonal_kdn
 
 
+@pytest.mark.parametrize("pairwise", [False, True], ids=["factorised", "pairwise"])
 @pytest.mark.parametrize("isotropic", [False, True])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
-def test_chunked_equals_recurrent(isotropic: bool, T: int) -> None:
+def test_chunked_equals_recurrent(isotropic: bool, T: int, pairwise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if pairwise:  # force the pairwise decay ratios that strong forgetting takes
+        monkeypatch.setattr(kchunk, "SAFE_SPAN", {})
     B, H, K, V = 2, 3, 8, 5
     x = make_inputs(B, T, H, K, V, isotropic=isotropic, seed=T)
     mu = torch.tensor([1.0, 4.0, 32.0], dtype=f64)
