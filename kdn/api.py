@@ -16,6 +16,7 @@ from kdn import chunk as _chunk
 from kdn import gain as _gain
 from kdn import naive as _naive
 from kdn._validate import check_cu_seqlens, check_shape, check_values
+from kdn.packing import repack, unpack
 
 State = tuple[Tensor, Tensor]
 BACKENDS = ("torch", "triton")
@@ -138,19 +139,9 @@ def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: State, cu_seqle
     Padding steps are exact identities (zero key and value, ``g = 0``, ``omega = 0``, ``r = 1``), so
     each sequence's final state is read after its last real token.
     """
-    offsets = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    L = max(max(lengths), 1)
-    pad_value = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # q, k, v, g, omega, r
-    batched = []
-    for x, fill in zip(args, pad_value):
-        seqs = [x[0, a:b] for a, b in zip(offsets, offsets[1:])]
-        batched.append(torch.stack([
-            torch.cat([s, s.new_full((L - s.shape[0], *s.shape[1:]), fill)], 0) for s in seqs
-        ]))
-    o, final = fn(*batched, mu, state)
-    o = torch.cat([o[i, :n] for i, n in enumerate(lengths)], 0)[None]
-    return o, final
+    fills = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # q, k, v, g, omega, r
+    o, final = fn(*(unpack(x, cu_seqlens, f) for x, f in zip(args, fills)), mu, state)
+    return repack(o, cu_seqlens), final
 
 
 def _torch_diagonal(

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kdn import api
 from kdn.cache import RecurrentCache
-from kdn.modules import DeltaFrontEnd, inv_softplus, low_rank, upcast
+from kdn.modules import DeltaFrontEnd, current_mask, inv_softplus, low_rank, upcast
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -96,12 +96,8 @@ class _KalmanDelta(nn.Module):
         if asked, and the cache."""
         x = hidden_states
         B, T, _ = x.shape
-        mask = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise ValueError(
-                    f"attention_mask must be [B, >=T] = [{B}, >={T}] of 0/1, got {list(attention_mask.shape)}")
-            mask = attention_mask[:, -T:].to(torch.bool)
+        mask = current_mask(attention_mask, B, T)
+        if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)

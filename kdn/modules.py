@@ -25,6 +25,20 @@ def upcast(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def current_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
+    """The boolean mask of the current ``T`` tokens, ``[B, T]``, or ``None`` when every token is real.
+
+    ``attention_mask [B, T']`` holds 1 for tokens and 0 for padding; its last ``T`` columns describe the
+    current tokens (during cached decoding it covers past and current tokens).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"attention_mask must be [B, >=T] = [{B}, >={T}] of 0/1, got {list(attention_mask.shape)}")
+    return attention_mask[:, -T:].to(torch.bool)
+
+
 def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) -> Tensor:
     """Index of each token inside its own sequence, ``[B, T]`` (packed: resets at each offset)."""
     pos = torch.arange(T, device=device).expand(B, T)

@@ -118,7 +118,7 @@ class KDNModel(KDNPreTrainedModel):
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("pass either cu_seqlens (packed documents) or attention_mask (padding), not both")
-            check_cu_seqlens(cu_seqlens, B, T)
+            check_cu_seqlens(cu_seqlens, T, B)
         if use_cache and cache is None:
             cache = KDNCache()
         betas = []

@@ -66,7 +66,7 @@ class Attention(nn.Module):
             if last is not None or use_cache:
                 raise ValueError("attention layers cannot decode packed sequences (cu_seqlens) with a cache; "
                                  "use a padded batch with attention_mask for generation")
-            check_cu_seqlens(cu_seqlens, B, T)
+            check_cu_seqlens(cu_seqlens, T, B)
             pos = positions_in_sequence(B, T, cu_seqlens, x.device)
             doc = torch.searchsorted(cu_seqlens[1:].to(x.device), torch.arange(T, device=x.device), right=True)
             start = None

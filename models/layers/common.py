@@ -14,42 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from kdn._validate import check_cu_seqlens
+from kdn.modules import current_mask
+from kdn.packing import repack, unpack
 
-def current_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
-    """The boolean mask of the current ``T`` tokens, ``[B, T]``, or ``None`` when every token is real."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-        raise ValueError(
-            f"attention_mask must be [B, >=T] = [{B}, >={T}] of 0/1, got {list(attention_mask.shape)}")
-    return attention_mask[:, -T:].to(torch.bool)
-
-
-def check_cu_seqlens(cu_seqlens: Tensor, B: int, T: int) -> None:
-    """Raise a ``ValueError`` unless ``cu_seqlens`` holds increasing offsets from 0 to ``T`` with ``B = 1``."""
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs packed input of batch size 1, got batch size {B}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1] of offsets, got shape {list(cu_seqlens.shape)}")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != T or any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens must increase strictly from 0 to T={T}, got {offsets}")
-
-
-def unpack(x: Tensor, cu_seqlens: Tensor, fill: float) -> Tensor:
-    """``[1, T, *rest]`` packed documents -> a right-padded batch ``[N, L, *rest]`` (pad value ``fill``)."""
-    offsets = cu_seqlens.tolist()
-    L = max(b - a for a, b in zip(offsets, offsets[1:]))
-    out = x.new_full((len(offsets) - 1, L, *x.shape[2:]), fill)
-    for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
-        out[i, : b - a] = x[0, a:b]
-    return out
-
-
-def repack(y: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """Inverse of :func:`unpack`: ``[N, L, *rest]`` -> ``[1, T, *rest]``."""
-    offsets = cu_seqlens.tolist()
-    return torch.cat([y[i, : b - a] for i, (a, b) in enumerate(zip(offsets, offsets[1:]))], 0)[None]
+__all__ = ["current_mask", "repack", "unpack", "unpack_all", "check_cu_seqlens", "last_index", "RMSNorm"]
 
 
 def unpack_all(xs: Sequence[Tensor], fills: Sequence[float], cu_seqlens: Tensor | None) -> list[Tensor]:

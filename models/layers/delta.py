@@ -132,7 +132,7 @@ class _DeltaRule(nn.Module, abc.ABC):
         H, K = self.num_heads, self.head_dim
         mask = current_mask(attention_mask, B, T)
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, B, T)
+            check_cu_seqlens(cu_seqlens, T, B)
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None

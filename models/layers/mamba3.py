@@ -239,7 +239,7 @@ class Mamba3(nn.Module):
         B, T, _ = x.shape
         mask = current_mask(attention_mask, B, T)
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, B, T)
+            check_cu_seqlens(cu_seqlens, T, B)
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         p = self._project(x)
