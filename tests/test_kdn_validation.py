@@ -59,3 +59,11 @@ def test_bad_state_and_packing() -> None:
         kdn.diagonal_kdn(**x, backend="cuda")
     with pytest.raises(ValueError, match="triton"):
         kdn.diagonal_kdn(**x, backend="triton")  # CPU tensors
+
+
+def test_validate_false_skips_only_the_value_checks() -> None:
+    x = make_inputs(1, 6, 2, 4, 3)
+    bad = {**x, "g": x["g"].abs() + 0.1}
+    kdn.diagonal_kdn(**bad, validate=False)  # out of range, but the caller vouched for its inputs
+    with pytest.raises(ValueError, match="k has shape"):
+        kdn.diagonal_kdn(**{**x, "k": x["k"][..., :2]}, validate=False)
