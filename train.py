@@ -158,15 +158,9 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             loss_sum = torch.zeros((), device=device)
             for _ in range(budget.grad_accum):
                 batch = to_device(next(batches), device)
-                try:
-                    with accelerator.accumulate(model):
-                        micro_loss = model(**batch).loss
-                        accelerator.backward(micro_loss)
-                except ValueError as e:  # the kdn kernels reject NaN/Inf activations before the loss sees them
-                    if "NaN" not in str(e):
-                        raise
-                    raise NonFiniteLossError(diagnose_non_finite(
-                        accelerator.unwrap_model(model), state.step + 1, f"activations: {e}", lr, ckpt.latest())) from e
+                with accelerator.accumulate(model):
+                    micro_loss = model(**batch).loss
+                    accelerator.backward(micro_loss)
                 loss_sum += micro_loss.detach().float()
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), o.grad_clip))
             # one collective per step: the mean loss and whether any process got a preemption signal
