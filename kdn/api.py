@@ -261,8 +261,15 @@ def _step(
     mu_t = _mu_tensor(mu, H, K, q.to(dt))
     check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t},
                  nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu"))
+    inputs = (q, k, v, g, omega, r, S, p)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, mu_t))
+    if _resolve_backend(None, q.device, dt) == "triton" and not needs_grad:  # one fused kernel on CUDA
+        from kdn import triton_ops
+
+        o, new = triton_ops.fused_recurrent(*(x[:, None] for x in inputs[:6]), mu_t, (S, p), isotropic)
+        return o[:, 0].to(v.dtype), new
     fn = _naive.isotropic_kdn_step_ref if isotropic else _naive.diagonal_kdn_step_ref
-    o, new = fn(*(x.to(dt) for x in (q, k, v, g, omega, r)), (S.to(dt), p.to(dt)), mu_t)
+    o, new = fn(*(x.to(dt) for x in inputs[:6]), (S.to(dt), p.to(dt)), mu_t)
     return o.to(v.dtype), new
 
 

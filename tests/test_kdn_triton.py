@@ -150,3 +150,24 @@ def test_control_fla_kda_against_float64() -> None:
         errs.update({f"d{n}": rel_err(lv[n].grad, leaves64[n].grad) for n in leaves64})
         _record({"variant": "control_fla_chunk_kda", "T": T, "H": H, "K": K, **errs})
         assert max(errs.values()) < 0.05, errs
+
+
+@pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_fused_recurrent_decoding_matches_float64(isotropic: bool, K: int) -> None:
+    """``kdn.*_step`` on CUDA without grad takes the fused recurrent kernel; FP32 against float64."""
+    B, T, H = 3, 20, 16
+    case = _case(B, T, H, K, isotropic, seed=K, g_min=-3.0)
+    fn = kdn.isotropic_kdn_step if isotropic else kdn.diagonal_kdn_step
+    state64 = (case["S0"], case["u0"])
+    state32 = (case["S0"].float(), case["u0"].float())
+    errs = {"o": 0.0, "S": 0.0, "uT": 0.0}
+    with torch.no_grad():
+        for t in range(T):
+            step = {n: case[n][:, t] for n in ("q", "k", "v", "g", "omega", "r")}
+            o64, state64 = fn(**step, state=state64)
+            o32, state32 = fn(**{n: x.float() for n, x in step.items()}, state=state32)
+            errs = {"o": max(errs["o"], rel_err(o32, o64)), "S": max(errs["S"], rel_err(state32[0], state64[0])),
+                    "uT": max(errs["uT"], rel_err(state32[1], state64[1]))}
+    _record({"variant": ("isotropic" if isotropic else "diagonal") + "_fused_recurrent", "K": K, **errs})
+    assert max(errs.values()) < 1e-4, errs

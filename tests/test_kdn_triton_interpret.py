@@ -1,4 +1,5 @@
-"""The Triton gain-scan kernels, forward and backward, run on the CPU through Triton's interpreter.
+"""The Triton kernels (gain scans forward and backward, fused recurrent decoding) on the CPU, through
+Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be set before ``kdn.triton_ops`` is imported, so the check runs in a fresh
 interpreter. Sizes cross the kernel's chunk (32 tokens) and channel-block (32) boundaries.
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from kdn import gain as ref, triton_ops
+from kdn import gain as ref, naive, triton_ops
 from kdn_inputs import make_inputs, make_state, rel_err
 out = {}
 for iso in (False, True):
@@ -38,6 +39,17 @@ for iso in (False, True):
     errs = {"gain": rel_err(g32, g64), "final": rel_err(e32, e64)}
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
     out["iso" if iso else "diag"] = errs
+    # the fused recurrent (decoding) kernel: several tokens, K not a power of two, two value blocks
+    B, T, H, K, V = 2, 5, 3, 12, 40
+    x = make_inputs(B, T, H, K, V, isotropic=iso, seed=8)
+    S0, u0 = make_state(B, H, K, V, isotropic=iso)
+    mu = torch.tensor([0.5, 3.0, 12.0], dtype=torch.float64)
+    rec = naive.isotropic_kdn_recurrent if iso else naive.diagonal_kdn_recurrent
+    o64, (S64, e64) = rec(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], mu, (S0, u0))
+    x32 = [x[n].float() for n in ("q", "k", "v", "g", "omega", "r")]
+    o32, (S32, e32) = triton_ops.fused_recurrent(*x32, mu.float(), (S0.float(), u0.float()), iso)
+    out[("iso" if iso else "diag") + "_recurrent"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S64),
+                                                       "final": rel_err(e32, e64)}
 print(json.dumps(out))
 """
 
