@@ -224,7 +224,16 @@ class GatedDeltaNet(_ScalarBetaRule):
         output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
+        if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and torch.is_grad_enabled():
+            # fla refuses this rule's backward there (a Triton miscompilation, fla #640); the same rule is KDA
+            # with the head's decay on every key channel, whose kernels are not affected
+            from fla.ops.kda import chunk_kda
+
+            return chunk_kda(q, k, v, g.float()[..., None].expand_as(k).contiguous(), terms["beta"].to(q.dtype),
+                             scale=self.head_dim ** -0.5, initial_state=S0, output_final_state=output_final_state,
+                             cu_seqlens=cu_seqlens)
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                                       initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
