@@ -4,6 +4,7 @@
     python evaluate.py runs/<name>/hf --tasks table1                 # WikiText, LAMBADA + six accuracies
     python evaluate.py runs/<name>/hf --tasks piqa,arc_easy --limit 200
     python evaluate.py runs/<name>/hf --tasks my_task --include-path eval/tasks   # local lm-eval task YAMLs
+    python evaluate.py runs/<name>/hf --overwrite data/cache/<shards>       # beta_eff probe (Fig. 2), + PNG
 
 Results are printed and written (temp file, then rename) to ``--out`` (default: ``<model dir>/../eval.json``).
 lm-eval's hub tasks need their datasets in the Hugging Face cache (``HF_DATASETS_OFFLINE=1`` on clusters).
@@ -20,6 +21,7 @@ from pathlib import Path
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
 import models  # noqa: F401
 from eval.harness import TABLE1_TASKS, load_model, run_tasks, table1_row
+from eval.overwrite import plot, probe_beta_eff, summarize
 from eval.perplexity import shard_perplexity
 
 ROOT = Path(__file__).resolve().parent
@@ -49,11 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="val")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--overwrite", type=Path, default=None, help="shard directory for the beta_eff probe")
+    ap.add_argument("--probe-seqs", type=int, default=8)
+    ap.add_argument("--probe-len", type=int, default=2048)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not args.tasks and args.ppl is None:
-        ap.error("nothing to evaluate: pass --tasks and/or --ppl")
+    if not args.tasks and args.ppl is None and args.overwrite is None:
+        ap.error("nothing to evaluate: pass --tasks, --ppl and/or --overwrite")
     model, tokenizer = load_model(args.model, device=args.device)
     report: dict = {"model": str(args.model)}
     if args.ppl is not None:
@@ -68,7 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
         report["table1"] = table1_row(report["tasks"])
         for task, metrics in report["tasks"].items():
             print(f"{task:<20}" + "  ".join(f"{m} {v:.4f}" for m, v in sorted(metrics.items())))
-    write_atomic(args.out or args.model.parent / "eval.json", report)
+    out = args.out or args.model.parent / "eval.json"
+    if args.overwrite is not None:
+        betas = probe_beta_eff(model, args.overwrite, n_seqs=args.probe_seqs, seq_len=args.probe_len)
+        report["overwrite"] = summarize(betas)
+        plot(betas, out.with_name(out.stem + "_beta_eff.png"))
+        pooled = report["overwrite"]["pooled"]
+        print(f"beta_eff: mean {pooled['mean']:.3f}  median {pooled['q50']:.3f}  "
+              f"share >= 0.9 {pooled['overwrite_share']:.3f}  ({len(betas)} layers)")
+    write_atomic(out, report)
     return report
 
 

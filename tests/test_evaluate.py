@@ -103,3 +103,37 @@ def test_bad_invocations(tmp_path: Path, exported: Path) -> None:
         evaluate.main([str(tmp_path / "missing"), "--ppl", str(tmp_path)])
     with pytest.raises(SystemExit):
         evaluate.main([str(exported)])  # nothing to evaluate
+
+
+@pytest.fixture(scope="module")
+def probe_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("probe")
+    src = tmp / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
+                           for i in range(80)))
+    return prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(tmp / "s"), val_fraction=0.5,
+                                 num_workers=1, progress=False))
+
+
+def test_overwrite_probe_summarises_every_kdn_layer(exported: Path, probe_shards: Path, tmp_path: Path) -> None:
+    report = evaluate.main([str(exported), "--overwrite", str(probe_shards), "--probe-seqs", "2", "--probe-len",
+                            "16", "--out", str(tmp_path / "e.json"), "--device", "cpu"])
+    model, _ = evaluate.load_model(exported, device="cpu")
+    betas = evaluate.probe_beta_eff(model, probe_shards, n_seqs=2, seq_len=16)
+    assert sorted(betas) == [0, 1] and all(b.shape == (2, 16, 2) for b in betas.values())
+    pooled = torch.cat([b.flatten() for b in betas.values()]).double()
+    assert (pooled >= 0).all() and (pooled < 1).all()
+    summary = report["overwrite"]
+    assert summary["pooled"]["mean"] == pytest.approx(float(pooled.mean()), rel=1e-6)
+    assert summary["pooled"]["q50"] == pytest.approx(float(pooled.median()), abs=float(pooled.std()))
+    assert summary["layers"]["1"]["head_means"] == pytest.approx(betas[1].double().mean((0, 1)).tolist(), rel=1e-6)
+    assert (tmp_path / "e_beta_eff.png").stat().st_size > 0
+
+
+def test_overwrite_probe_errors(exported: Path, probe_shards: Path, tmp_path: Path) -> None:
+    model, _ = evaluate.load_model(exported, device="cpu")
+    with pytest.raises(ValueError, match="fewer than 200"):
+        evaluate.probe_beta_eff(model, probe_shards, n_seqs=200, seq_len=16)
+    attn = models.build_model(models.model_config("toy", "attn", vocab_size=32000)).eval()
+    with pytest.raises(ValueError, match="no layer with an effective write strength"):
+        evaluate.probe_beta_eff(attn, probe_shards, n_seqs=2, seq_len=16)
