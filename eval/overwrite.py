@@ -19,11 +19,8 @@ def probe_beta_eff(model: Any, shard_dir: str | Path, *, n_seqs: int = 8, seq_le
     """``{layer index: beta_eff [n_seqs, seq_len, H]}`` for every layer that has one."""
     from data import TokenLoader
 
-    loader = TokenLoader(shard_dir, split=split, seq_len=seq_len, batch_size=n_seqs)
-    batch = next(iter(loader), None)
-    if batch is None or batch["input_ids"].shape[0] < n_seqs:
-        raise ValueError(f"{shard_dir} has fewer than {n_seqs} {split} windows of {seq_len} tokens; "
-                         "lower --probe-seqs / --probe-len")
+    # the loader raises a ValueError when the split has fewer than n_seqs windows of seq_len tokens
+    batch = next(iter(TokenLoader(shard_dir, split=split, seq_len=seq_len, batch_size=n_seqs)))
     ids = batch["input_ids"].to(next(model.parameters()).device)
     out = model(input_ids=ids, output_beta_eff=True)
     betas = {i: b.float().cpu() for i, b in enumerate(out.beta_eff or ()) if b is not None}

@@ -132,7 +132,7 @@ def test_overwrite_probe_summarises_every_kdn_layer(exported: Path, probe_shards
 
 def test_overwrite_probe_errors(exported: Path, probe_shards: Path, tmp_path: Path) -> None:
     model, _ = evaluate.load_model(exported, device="cpu")
-    with pytest.raises(ValueError, match="fewer than 200"):
+    with pytest.raises(ValueError, match=r"fewer than world_size\*batch_size=200"):
         evaluate.probe_beta_eff(model, probe_shards, n_seqs=200, seq_len=16)
     attn = models.build_model(models.model_config("toy", "attn", vocab_size=32000)).eval()
     with pytest.raises(ValueError, match="no layer with an effective write strength"):
