@@ -243,7 +243,7 @@ def isotropic_kdn_gain(
 
 def _step(
     isotropic: bool, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
-    state: State, mu: float | Tensor | None,
+    state: State, mu: float | Tensor | None, validate: bool,
 ) -> tuple[Tensor, State]:
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a one-token [B,H,K] tensor, got shape {getattr(q, 'shape', None)}")
@@ -259,8 +259,9 @@ def _step(
     check_shape("state[1]", p, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
     dt = _compute_dtype(v)
     mu_t = _mu_tensor(mu, H, K, q.to(dt))
-    check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t},
-                 nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu"))
+    if validate and not torch.compiler.is_compiling():
+        check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t},
+                     nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu"))
     inputs = (q, k, v, g, omega, r, S, p)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, mu_t))
     if _resolve_backend(None, q.device, dt) == "triton" and not needs_grad:  # one fused kernel on CUDA
@@ -275,19 +276,20 @@ def _step(
 
 def diagonal_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
-    mu: float | Tensor | None = None,
+    mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
     """One decoding token of Diagonal KDN: ``q, k, g, omega [B,H,K]``, ``v [B,H,V]``, ``r [B,H]``,
-    ``state = (S [B,H,K,V], p [B,H,K])``. Returns ``o [B,H,V]`` and the new state."""
-    return _step(False, q, k, v, g, omega, r, state, mu)
+    ``state = (S [B,H,K,V], p [B,H,K])``. Returns ``o [B,H,V]`` and the new state. On CUDA without
+    autograd it runs one fused Triton kernel. ``validate`` as in :func:`diagonal_kdn`."""
+    return _step(False, q, k, v, g, omega, r, state, mu, validate)
 
 
 def isotropic_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
-    mu: float | Tensor | None = None,
+    mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
     """One decoding token of Isotropic KDN: ``omega, r [B,H]``, ``state = (S, b [B,H])``."""
-    return _step(True, q, k, v, g, omega, r, state, mu)
+    return _step(True, q, k, v, g, omega, r, state, mu, validate)
 
 
 def exact_kalman_memory(

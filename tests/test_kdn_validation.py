@@ -67,3 +67,15 @@ def test_validate_false_skips_only_the_value_checks() -> None:
     kdn.diagonal_kdn(**bad, validate=False)  # out of range, but the caller vouched for its inputs
     with pytest.raises(ValueError, match="k has shape"):
         kdn.diagonal_kdn(**{**x, "k": x["k"][..., :2]}, validate=False)
+
+
+def test_step_validates_unless_told_not_to() -> None:
+    x = make_inputs(2, 1, 2, 4, 3)
+    one = {n: t[:, 0] for n, t in x.items()}
+    state = (torch.zeros(2, 2, 4, 3, dtype=torch.float64), torch.ones(2, 2, 4, dtype=torch.float64))
+    bad = {**one, "r": -one["r"]}
+    with pytest.raises(ValueError, match="r must be > 0"):
+        kdn.diagonal_kdn_step(**bad, state=state)
+    kdn.diagonal_kdn_step(**bad, state=state, validate=False)
+    with pytest.raises(ValueError, match="g has shape"):
+        kdn.diagonal_kdn_step(**{**one, "g": one["g"][..., :2]}, state=state, validate=False)
