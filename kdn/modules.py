@@ -79,18 +79,28 @@ class ShortConv(nn.Conv1d):
         return F.silu(y), new_cache
 
 
-class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm whose output is multiplied by ``sigmoid(gate)``; ``x, gate: [..., D]``."""
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension ``x [..., D]``, computed in at least FP32."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+    def normed(self, x: Tensor) -> Tensor:
+        """The normalised, weighted ``x`` in the compute dtype (not cast back)."""
         xf = upcast(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
-        return (y * torch.sigmoid(upcast(gate))).to(x.dtype)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.normed(x).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """Per-head RMSNorm whose output is multiplied by ``sigmoid(gate)``; ``x, gate: [..., D]``."""
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
+        return (self.normed(x) * torch.sigmoid(upcast(gate))).to(x.dtype)
 
 
 def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from kdn._validate import check_cu_seqlens
-from kdn.modules import current_mask
+from kdn.modules import RMSNorm, current_mask, upcast
 from kdn.packing import repack, unpack
 
 __all__ = ["current_mask", "repack", "unpack", "unpack_all", "check_cu_seqlens", "last_index", "RMSNorm"]
@@ -35,22 +34,8 @@ def last_index(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) 
     return (cu_seqlens[1:] - cu_seqlens[:-1] - 1).to(device=device, dtype=torch.long)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in FP32; ``x [..., D]``."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
-
-
 class SwishGatedRMSNorm(RMSNorm):
     """RMSNorm multiplied by ``silu(gate)`` (fla's ``FusedRMSNormGated`` with ``activation="swish"``)."""
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
-        return (super().forward(x).float() * F.silu(gate.float())).to(x.dtype)
+        return (self.normed(x) * F.silu(upcast(gate))).to(x.dtype)

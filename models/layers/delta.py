@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kdn.cache import RecurrentCache
 from kdn.chunk import MEMORY_CHUNK, memory_chunk
-from kdn.modules import DeltaFrontEnd
+from kdn.modules import DeltaFrontEnd, upcast
 from models.layers.common import (
     RMSNorm,
     SwishGatedRMSNorm,
@@ -35,11 +35,6 @@ from models.layers.common import (
 
 OUTPUT_GATES = ("sigmoid", "swish", "none")
 BACKENDS = ("torch", "fla")
-
-
-def _compute(x: Tensor) -> Tensor:
-    """``x`` in FP32, or float64 when it is float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class FrontEnd(DeltaFrontEnd):
@@ -187,7 +182,7 @@ class _ScalarBetaRule(_DeltaRule):
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
     def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        return {"beta": torch.sigmoid(_compute(self.b_proj(x)))}
+        return {"beta": torch.sigmoid(upcast(self.b_proj(x)))}
 
 
 class DeltaNet(_ScalarBetaRule):
@@ -269,8 +264,8 @@ class GDN2(_DeltaRule):
 
     def write_terms(self, x: Tensor) -> dict[str, Tensor]:
         B, T = x.shape[:2]
-        b = torch.sigmoid(_compute(self.b_proj(x))).view(B, T, self.num_heads, self.head_dim)
-        w = torch.sigmoid(_compute(self.w_proj(x))).view(B, T, self.num_heads, self.front.V)
+        b = torch.sigmoid(upcast(self.b_proj(x))).view(B, T, self.num_heads, self.head_dim)
+        w = torch.sigmoid(upcast(self.w_proj(x))).view(B, T, self.num_heads, self.front.V)
         return {"b": b, "w": w}
 
     def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
