@@ -1,15 +1,22 @@
-"""The CUDA backend of KDN: Triton gain scans plus fla's chunk memory kernels (SPEC §6).
+"""The CUDA backend of KDN: fused Triton gain kernels plus fla's chunk memory kernels (SPEC §3, §4, §6).
 
-Gain scan (ours, Triton): per channel, the predicted variances ``p^_t`` follow a Möbius recurrence. The
-kernel walks the sequence in chunks of ``BT`` tokens; inside a chunk it composes the 2x2 matrices with
-``tl.associative_scan`` (renormalised by their max-abs entry, FP32), applies the carry from the previous
-chunk and emits ``p^_t``. Pairing each prediction with the *previous* token's update,
-``N_t = [[a_t + w_t u_{t-1}, w_t], [u_{t-1}, 1]]``, makes the scan emit ``p^_t`` directly. The backward is
-the adjoint recurrence ``lambda_{t-1} = a_t (gamma_t + lambda_t / (1 + u_t p^_t)^2)``: an affine scan in
-reverse time, chunked the same way, with ``p_{t-1}`` recomputed from ``p^_{t-1}``.
+Gain (ours, Triton): one program per (batch, head) holds the whole key axis and walks the sequence in
+chunks of ``BT`` tokens. Per channel, the predicted variances ``p^_t`` follow a Möbius recurrence; inside a
+chunk the 2x2 matrices are composed with ``tl.associative_scan`` (renormalised by their max-abs entry, FP32)
+and applied to the carry ``p_{t0-1}``. Pairing each prediction with the *previous* token's update,
+``N_t = [[a_t + w_t u_{t-1}, w_t], [u_{t-1}, 1]]``, makes the scan emit ``p^_t`` directly. The same program
+forms ``u = mu k^2 / r``, the row sums ``s = r + sum_K p^ k^2`` and the gain, so a forward reads ``k, g``
+once and writes the gain once (plus, for Diagonal, fla's DPLR operands ``a = exp(g) k`` and ``b = -kappa``).
 
-Memory scan: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps
-onto fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
+Backward: only the carries ``p_{t0-1}`` (one row per chunk) are kept. Each chunk, latest first, recomputes
+``p^`` and ``p`` in time order, passes them through a per-program scratch buffer to read them back in
+reversed time order (``tl.associative_scan(reverse=True)`` is avoided: triton-lang/triton#4362), and runs
+the adjoint ``lambda_{t-1} = a_t (gamma_t + lambda_t / (1 + u_t p^_t)^2)`` (SPEC §6) as a forward scan over
+reversed rows. Each element maps ``lambda_t -> (lambda_{t-1}, lambda_t)``, so every row gets its own
+``lambda_t`` without a shifted read.
+
+Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps onto
+fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
 
 Decoding: ``fused_recurrent`` runs gain and memory token by token in one kernel, the state in registers.
 """
@@ -36,106 +43,264 @@ def _mobius_combine(a11, a12, a21, a22, b11, b12, b21, b22):
 
 
 @triton.jit
-def _affine_combine(a_A, a_B, b_A, b_B):
-    # a: the accumulated map, b: the next map; returns b o a
-    return b_A * a_A, b_A * a_B + b_B
+def _adjoint_combine(aP, aQ, aR, aS, bP, bQ, bR, bS):
+    # maps x -> (P x + Q, R x + S) that read lambda_t and give (lambda_{t-1}, lambda_t); a is applied
+    # first (the later token), b next; returns b o a
+    return bP * aP, bP * aQ + bQ, bR * aP, bR * aQ + bS
 
 
 @triton.jit
-def _gain_scan_fwd_kernel(
-    x_ptr, w_ptr, u_ptr, p0_ptr, phat_ptr, pT_ptr, T, C: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, X_IS_LOG: tl.constexpr,
+def _diag_chunk(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
 ):
-    pid_c = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_c = pid_c * BC + tl.arange(0, BC)
-    mask_c = offs_c < C
-    p = tl.load(p0_ptr + b * C + offs_c, mask=mask_c, other=1.0)
-    base = b * T * C
+    # tokens t0 .. t0+BT-1 in time order from the carry p = p_{t0-1} [BK]; rows past T are identities
     ar = tl.arange(0, BT)
-    for t0 in range(0, T + 1, BT):
-        rows = t0 + ar
-        m = (rows < T)[:, None] & mask_c[None, :]
-        idx = base + rows[:, None].to(tl.int64) * C + offs_c[None, :]
-        x = tl.load(x_ptr + idx, mask=m, other=0.0)
-        if X_IS_LOG:
-            a = tl.exp(2.0 * x)
-        else:
-            a = tl.where(m, x, 1.0)
-        w = tl.load(w_ptr + idx, mask=m, other=0.0)
-        mp = ((rows >= 1) & (rows <= T))[:, None] & mask_c[None, :]
-        u_prev = tl.load(u_ptr + idx - C, mask=mp, other=0.0)
-        n11 = a + w * u_prev
-        n22 = tl.full([BT, BC], 1.0, tl.float32)
-        P11, P12, P21, P22 = tl.associative_scan((n11, w, u_prev, n22), 0, _mobius_combine)
-        ph = (P11 * p[None, :] + P12) / (P21 * p[None, :] + P22)
-        tl.store(phat_ptr + idx, ph, mask=m)
-        p = tl.sum(tl.where((ar == BT - 1)[:, None], ph, 0.0), axis=0)
-    tl.store(pT_ptr + b * C + offs_c, p, mask=mask_c)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    rows = t0 + ar
+    mt = rows < T
+    tok = (b * T + rows) * H + h
+    m = mt[:, None] & mk[None, :]
+    idx = tok[:, None] * K + offs_k[None, :]
+    kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
+    w = tl.load(w_ptr + idx, mask=m, other=0.0)
+    r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+    mp = (rows > t0) & mt  # the previous token's update, inside this chunk (the carry holds the rest)
+    kp = tl.load(k_ptr + idx - H * K, mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    rp = tl.load(r_ptr + tok - H, mask=mp, other=1.0)
+    u = mu / r[:, None] * kf * kf
+    up = mu / rp[:, None] * kp * kp
+    a = alpha * alpha
+    P11, P12, P21, P22 = tl.associative_scan(
+        (a + w * up, w, up, tl.full([BT, BK], 1.0, tl.float32)), 0, _mobius_combine
+    )
+    ph = (P11 * p[None, :] + P12) / (P21 * p[None, :] + P22)
+    post = ph / (1.0 + u * ph)
+    last = tl.minimum(T - t0, BT) - 1
+    p_next = tl.sum(tl.where((ar == last)[:, None], post, 0.0), axis=0)
+    return ph, post, p_next, kf, alpha, r, idx, m
 
 
 @triton.jit
-def _gain_scan_bwd_kernel(
-    x_ptr, u_ptr, phat_ptr, p0_ptr, dphat_ptr, dpT_ptr, dx_ptr, dw_ptr, du_ptr, dp0_ptr, T,
-    C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, X_IS_LOG: tl.constexpr,
+def _diag_gain_fwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
 ):
-    pid_c = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_c = pid_c * BC + tl.arange(0, BC)
-    mask_c = offs_c < C
-    lam = tl.load(dpT_ptr + b * C + offs_c, mask=mask_c, other=0.0)  # lambda at the chunk's last row
-    p0 = tl.load(p0_ptr + b * C + offs_c, mask=mask_c, other=1.0)
-    base = b * T * C
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    mu = tl.load(mu_ptr + h)
+    p = tl.load(p0_ptr + bh * K + offs_k, mask=mk, other=1.0)
+    NT = tl.cdiv(T, BT)
+    for c in range(NT):
+        tl.store(carry_ptr + (bh * NT + c) * K + offs_k, p, mask=mk)
+        ph, post, p, kf, alpha, r, idx, m = _diag_chunk(
+            k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BK, BT
+        )
+        s = r + tl.sum(ph * kf * kf, axis=1)
+        kappa = ph * kf / s[:, None]
+        tl.store(kappa_ptr + idx, kappa.to(kappa_ptr.dtype.element_ty), mask=m)
+        if EMIT_AB:
+            tl.store(a_ptr + idx, (alpha * kf).to(a_ptr.dtype.element_ty), mask=m)
+            tl.store(b_ptr + idx, (-kappa).to(b_ptr.dtype.element_ty), mask=m)
+    tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
+
+
+@triton.jit
+def _diag_gain_bwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, da_ptr, db_ptr, dpT_ptr, scratch_ptr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
     ar = tl.arange(0, BT)
-    n_chunks = tl.cdiv(T, BT)
-    for j in range(n_chunks):
-        t_end = (n_chunks - 1 - j) * BT + BT - 1
-        rows = t_end - ar  # reversed: index i holds token t_end - i
-        valid = (rows < T)[:, None] & mask_c[None, :]
-        idx = base + rows[:, None].to(tl.int64) * C + offs_c[None, :]
-        # the map lambda_t -> lambda_{t-1} of token s = t + 1 (identity past the end)
-        nxt = ((rows + 1) < T)[:, None] & mask_c[None, :]
-        xs = tl.load(x_ptr + idx + C, mask=nxt, other=0.0)
-        if X_IS_LOG:
-            a_s = tl.exp(2.0 * xs)
-        else:
-            a_s = tl.where(nxt, xs, 1.0)
-        u_s = tl.load(u_ptr + idx + C, mask=nxt, other=0.0)
-        ph_s = tl.load(phat_ptr + idx + C, mask=nxt, other=0.0)
-        gam_s = tl.load(dphat_ptr + idx + C, mask=nxt, other=0.0)
-        d_s = 1.0 + u_s * ph_s
-        A = a_s / (d_s * d_s)
-        Bv = a_s * gam_s
-        first = (ar == 0)[:, None]
-        A = tl.where(first, 0.0, A)
-        Bv = tl.where(first, lam[None, :], Bv)
-        _, lam_t = tl.associative_scan((A, Bv), 0, _affine_combine)
-        # this token's own terms
-        x = tl.load(x_ptr + idx, mask=valid, other=0.0)
-        if X_IS_LOG:
-            a = tl.exp(2.0 * x)
-        else:
-            a = x
-        u = tl.load(u_ptr + idx, mask=valid, other=0.0)
-        ph = tl.load(phat_ptr + idx, mask=valid, other=0.0)
-        gam = tl.load(dphat_ptr + idx, mask=valid, other=0.0)
+    mu = tl.load(mu_ptr + h)
+    lam = tl.load(dpT_ptr + bh * K + offs_k, mask=mk, other=0.0)  # lambda at the chunk's last token
+    dmu = tl.zeros([BK], tl.float32)
+    sc = scratch_ptr + bh * (4 * BT * BK)  # two buffers of (p^, p), [BT, BK] each, alternating by chunk
+    fwd_tile = ar[:, None] * BK + offs_k[None, :]
+    rev_tile = (BT - 1 - ar)[:, None] * BK + offs_k[None, :]
+    one = tl.full([BT, BK], 1.0, tl.float32)
+    zero = tl.zeros([BT, BK], tl.float32)
+    first = (ar == BT - 1)[:, None]  # in reversed order the chunk's first token is the last row
+    NT = tl.cdiv(T, BT)
+    for j in range(NT):
+        c = NT - 1 - j
+        t0 = c * BT
+        p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
+        ph_f, post_f, _, _, _, _, _, _ = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BK, BT)
+        buf = sc + (j % 2) * (2 * BT * BK)
+        tl.store(buf + fwd_tile, ph_f)
+        tl.store(buf + BT * BK + fwd_tile, post_f)
+        tl.debug_barrier()
+        # reversed order: row i holds token t0 + BT - 1 - i
+        rows = t0 + BT - 1 - ar
+        mt = rows < T
+        tok = (b * T + rows) * H + h
+        m = mt[:, None] & mk[None, :]
+        idx = tok[:, None] * K + offs_k[None, :]
+        ph = tl.load(buf + rev_tile, volatile=True)
+        p_prev = tl.load(buf + BT * BK + rev_tile - BK, mask=(ar < BT - 1)[:, None] & mk[None, :], other=1.0,
+                         volatile=True)
+        p_prev = tl.where(first, p[None, :], p_prev)
+        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
+        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+        dkap = tl.load(dkappa_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        if EMIT_AB:
+            dkap = dkap - tl.load(db_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        a = alpha * alpha
+        k2 = kf * kf
+        u = mu / r[:, None] * k2
+        s = r + tl.sum(ph * k2, axis=1)
+        kappa = ph * kf / s[:, None]
+        gam = tl.sum(dkap * kappa, axis=1)
+        e = (dkap * kf - gam[:, None] * k2) / s[:, None]  # the direct gradient of p^
         d = 1.0 + u * ph
-        c = 1.0 / (d * d)
-        dph = gam + c * lam_t
-        prev_ok = ((rows >= 1) & (rows < T))[:, None] & mask_c[None, :]
-        u_p = tl.load(u_ptr + idx - C, mask=prev_ok, other=0.0)
-        ph_p = tl.load(phat_ptr + idx - C, mask=prev_ok, other=0.0)
-        p_prev = tl.where((rows == 0)[:, None], p0[None, :], ph_p / (1.0 + u_p * ph_p))
-        da = p_prev * dph
-        if X_IS_LOG:
-            tl.store(dx_ptr + idx, 2.0 * a * da, mask=valid)
-        else:
-            tl.store(dx_ptr + idx, da, mask=valid)
-        tl.store(dw_ptr + idx, dph, mask=valid)
-        tl.store(du_ptr + idx, -lam_t * ph * ph * c, mask=valid)
-        # lambda entering the earlier chunk: a_{t0} dp^_{t0} (row index BT - 1)
-        lam = tl.sum(tl.where((ar == BT - 1)[:, None], a * dph, 0.0), axis=0)
-    tl.store(dp0_ptr + b * C + offs_c, lam, mask=mask_c)
+        cc = 1.0 / (d * d)
+        P, Q, R, S = tl.associative_scan((a * cc, a * e, one, zero), 0, _adjoint_combine)
+        lam_t = R * lam[None, :] + S
+        dph = e + cc * lam_t
+        du = -lam_t * ph * ph * cc
+        dk = (dkap * ph - 2.0 * gam[:, None] * ph * kf) / s[:, None] + 2.0 * mu / r[:, None] * du * kf
+        dg = 2.0 * a * p_prev * dph
+        if EMIT_AB:
+            da = tl.load(da_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            dk += da * alpha
+            dg += da * alpha * kf
+        tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=m)
+        tl.store(dg_ptr + idx, dg, mask=m)
+        tl.store(dw_ptr + idx, dph, mask=m)
+        tl.store(dr_ptr + tok, -gam / s - tl.sum(du * u, axis=1) / r, mask=mt)
+        dmu += tl.sum(du * k2 / r[:, None], axis=0)
+        lam = tl.sum(tl.where(first, P * lam[None, :] + Q, 0.0), axis=0)  # lambda_{t0-1}
+    tl.store(dp0_ptr + bh * K + offs_k, lam, mask=mk)
+    tl.store(dmu_ptr + bh, tl.sum(dmu, axis=0))
+
+
+@triton.jit
+def _iso_scan(a, w, u, up, p, BT: tl.constexpr):
+    # [BT] rows in time order from the carry p = b_{t0-1}: returns b^ and b after each token
+    P11, P12, P21, P22 = tl.associative_scan(
+        (a + w * up, w, up, tl.full([BT], 1.0, tl.float32)), 0, _mobius_combine
+    )
+    bh = (P11 * p + P12) / (P21 * p + P22)
+    return bh, bh / (1.0 + u * bh)
+
+
+@triton.jit
+def _iso_gain_fwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, b0_ptr, beta_ptr, abar_ptr, n_ptr, carry_ptr, bT_ptr, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    ar = tl.arange(0, BT)
+    mu = tl.load(mu_ptr + h)
+    p = tl.load(b0_ptr + bh)
+    NT = tl.cdiv(T, BT)
+    for c in range(NT):
+        t0 = c * BT
+        tl.store(carry_ptr + bh * NT + c, p)
+        rows = t0 + ar
+        mt = rows < T
+        tok = (b * T + rows) * H + h
+        m = mt[:, None] & mk[None, :]
+        idx = tok[:, None] * K + offs_k[None, :]
+        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=m, other=0.0)
+        abar = tl.sum(tl.where(mk[None, :], tl.exp(2.0 * g), 0.0), axis=1) / K  # 1 past T: identities
+        n = tl.sum(kf * kf, axis=1)
+        mp = (rows > t0) & mt
+        kp = tl.load(k_ptr + idx - H * K, mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+        rp = tl.load(r_ptr + tok - H, mask=mp, other=1.0)
+        w = tl.load(w_ptr + tok, mask=mt, other=0.0)
+        bhat, post = _iso_scan(abar, w, mu * n / (K * r), mu * tl.sum(kp * kp, axis=1) / (K * rp), p, BT)
+        tl.store(beta_ptr + tok, (bhat / (r + bhat * n)).to(beta_ptr.dtype.element_ty), mask=mt)
+        tl.store(abar_ptr + tok, abar, mask=mt)
+        tl.store(n_ptr + tok, n, mask=mt)
+        p = tl.sum(tl.where(ar == tl.minimum(T - t0, BT) - 1, post, 0.0), axis=0)
+    tl.store(bT_ptr + bh, p)
+
+
+@triton.jit
+def _iso_gain_bwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    ar = tl.arange(0, BT)
+    mu = tl.load(mu_ptr + h)
+    lam = tl.load(dbT_ptr + bh)
+    dmu = tl.zeros([BT], tl.float32)
+    sc = scratch_ptr + bh * (4 * BT)
+    one = tl.full([BT], 1.0, tl.float32)
+    zero = tl.zeros([BT], tl.float32)
+    first = ar == BT - 1
+    NT = tl.cdiv(T, BT)
+    for j in range(NT):
+        c = NT - 1 - j
+        t0 = c * BT
+        p = tl.load(carry_ptr + bh * NT + c)
+        # time order, from the per-token abar and ||k||^2 kept by the forward
+        rows = t0 + ar
+        mt = rows < T
+        tok = (b * T + rows) * H + h
+        mp = (rows > t0) & mt
+        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+        u = mu * tl.load(n_ptr + tok, mask=mt, other=0.0) / (K * r)
+        up = mu * tl.load(n_ptr + tok - H, mask=mp, other=0.0) / (K * tl.load(r_ptr + tok - H, mask=mp, other=1.0))
+        abar = tl.load(abar_ptr + tok, mask=mt, other=1.0)
+        bhat_f, post_f = _iso_scan(abar, tl.load(w_ptr + tok, mask=mt, other=0.0), u, up, p, BT)
+        buf = sc + (j % 2) * (2 * BT)
+        tl.store(buf + ar, bhat_f)
+        tl.store(buf + BT + ar, post_f)
+        tl.debug_barrier()
+        # reversed order: row i holds token t0 + BT - 1 - i
+        rows = t0 + BT - 1 - ar
+        mt = rows < T
+        tok = (b * T + rows) * H + h
+        m = mt[:, None] & mk[None, :]
+        idx = tok[:, None] * K + offs_k[None, :]
+        bhat = tl.load(buf + BT - 1 - ar, volatile=True)
+        b_prev = tl.where(first, p, tl.load(buf + 2 * BT - 2 - ar, mask=ar < BT - 1, other=1.0, volatile=True))
+        abar = tl.load(abar_ptr + tok, mask=mt, other=1.0)
+        n = tl.load(n_ptr + tok, mask=mt, other=0.0)
+        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+        dbeta = tl.load(dbeta_ptr + tok, mask=mt, other=0.0).to(tl.float32)
+        u = mu * n / (K * r)
+        s = r + bhat * n
+        e = dbeta * r / (s * s)  # the direct gradient of b^
+        d = 1.0 + u * bhat
+        cc = 1.0 / (d * d)
+        P, Q, R, S = tl.associative_scan((abar * cc, abar * e, one, zero), 0, _adjoint_combine)
+        lam_t = R * lam + S
+        dbh = e + cc * lam_t
+        du = -lam_t * bhat * bhat * cc
+        dn = -dbeta * bhat * bhat / (s * s) + du * mu / (K * r)
+        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        a = tl.exp(2.0 * tl.load(g_ptr + idx, mask=m, other=0.0))
+        tl.store(dk_ptr + idx, (2.0 * kf * dn[:, None]).to(dk_ptr.dtype.element_ty), mask=m)
+        tl.store(dg_ptr + idx, (2.0 / K) * a * (b_prev * dbh)[:, None], mask=m)
+        tl.store(dw_ptr + tok, dbh, mask=mt)
+        tl.store(dr_ptr + tok, -dbeta * bhat / (s * s) - du * u / r, mask=mt)
+        dmu += du * n / (K * r)
+        lam = tl.sum(tl.where(first, P * lam + Q, 0.0), axis=0)  # lambda_{t0-1}
+    tl.store(db0_ptr + bh, lam)
+    tl.store(dmu_ptr + bh, tl.sum(dmu, axis=0))
 
 
 @triton.jit
@@ -218,64 +383,132 @@ def fused_recurrent(
     return o, (S, unc_out)
 
 
-_BT, _BC = 32, 32
+def _diag_tiles(K: int) -> tuple[int, int, int]:
+    """``(BK, BT, num_warps)`` of the Diagonal gain kernels: a ``[BT, BK]`` FP32 tile per live value."""
+    BK = triton.next_power_of_2(K)
+    return (BK, 32, 4) if BK <= 64 else (BK, 16, 8)
 
 
-class _MobiusScan(torch.autograd.Function):
-    """``(x, w, u, p0) -> (p^ [B,T,C], p_T [B,C])``; ``x`` is ``g`` (``a = exp(2g)``) or ``a`` itself."""
+_ISO_BT = 32
+
+
+def _check_gain_shapes(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, u0: Tensor, isotropic: bool) -> None:
+    if k.dim() != 4:
+        raise ValueError(f"k must be [B,T,H,K], got shape {tuple(k.shape)}")
+    B, T, H, K = k.shape
+    want = {"g": (g, (B, T, H, K)), "omega": (omega, (B, T, H) if isotropic else (B, T, H, K)), "r": (r, (B, T, H)),
+            "mu": (mu, (H,)), "initial uncertainty": (u0, (B, H) if isotropic else (B, H, K))}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for k of shape {tuple(k.shape)}, got {tuple(x.shape)}")
+
+
+class _DiagonalGain(torch.autograd.Function):
+    """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward."""
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, u: Tensor, p0: Tensor, x_is_log: bool
-    ) -> tuple[Tensor, Tensor]:
-        x, w, u, p0 = (t.float().contiguous() for t in (x, w, u, p0))
-        B, T, C = x.shape
-        phat = torch.empty_like(x)
+        ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+        p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
+    ) -> tuple[Tensor, ...]:
+        B, T, H, K = k.shape
+        k = k.contiguous()
+        g, omega, r, mu, p0 = (x.float().contiguous() for x in (g, omega, r, mu, p0))
+        BK, BT, warps = _diag_tiles(K)
+        kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
+        a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
+        carry = p0.new_empty(B, H, triton.cdiv(T, BT), K)
         pT = torch.empty_like(p0)
-        grid = (triton.cdiv(C, _BC), B)
-        _gain_scan_fwd_kernel[grid](x, w, u, p0, phat, pT, T, C, BT=_BT, BC=_BC, X_IS_LOG=x_is_log)
-        ctx.save_for_backward(x, u, phat, p0)
-        ctx.x_is_log = x_is_log
-        return phat, pT
+        _diag_gain_fwd_kernel[(B * H,)](k, g, omega, r, mu, p0, kappa, a, b, carry, pT, T, H=H, K=K, BK=BK, BT=BT,
+                                        EMIT_AB=emit_ab, num_warps=warps)
+        ctx.save_for_backward(k, g, omega, r, mu, carry)
+        ctx.emit_ab = emit_ab
+        return (kappa, a, b, pT) if emit_ab else (kappa, pT)
 
     @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, dphat: Tensor | None, dpT: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
-        x, u, phat, p0 = ctx.saved_tensors
-        B, T, C = x.shape
-        dphat = torch.zeros_like(phat) if dphat is None else dphat.float().contiguous()
-        dpT = torch.zeros_like(p0) if dpT is None else dpT.float().contiguous()
-        dx, dw, du = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-        dp0 = torch.empty_like(p0)
-        grid = (triton.cdiv(C, _BC), B)
-        _gain_scan_bwd_kernel[grid](x, u, phat, p0, dphat, dpT, dx, dw, du, dp0, T, C,
-                                    BT=_BT, BC=_BC, X_IS_LOG=ctx.x_is_log)
-        return dx, dw, du, dp0, None
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        k, g, omega, r, mu, carry = ctx.saved_tensors
+        B, T, H, K = k.shape
+        BK, BT, warps = _diag_tiles(K)
+        dkappa, *rest, dpT = (x.contiguous() for x in grads)
+        da, db = rest if ctx.emit_ab else (dkappa, dkappa)
+        dk = torch.empty_like(k)
+        dg, dw = torch.empty_like(g), torch.empty_like(omega)
+        dr = torch.empty_like(r)
+        dp0 = torch.empty(B, H, K, device=k.device, dtype=torch.float32)
+        dmu = torch.empty(B, H, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(B * H * 4 * BT * BK, device=k.device, dtype=torch.float32)
+        _diag_gain_bwd_kernel[(B * H,)](k, g, omega, r, mu, carry, dkappa, da, db, dpT.float(), scratch,
+                                        dk, dg, dw, dr, dmu, dp0, T, H=H, K=K, BK=BK, BT=BT, EMIT_AB=ctx.emit_ab,
+                                        num_warps=warps)
+        return dk, dg, dw, dr, (dmu.sum(0) if ctx.needs_input_grad[4] else None), dp0, None, None
 
 
-def diagonal_gain(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton Diagonal gains: ``kappa [B,T,H,K]`` (FP32) and ``p_T [B,H,K]``. Shapes as ``kdn.gain``."""
-    B, T, H, K = k.shape
-    kf, rf = k.float(), r.float()
-    k2 = kf * kf
-    u = (mu.float()[:, None] / rf[..., None]) * k2
-    phat, pT = _MobiusScan.apply(g.reshape(B, T, H * K), omega.reshape(B, T, H * K), u.reshape(B, T, H * K),
-                                 p0.reshape(B, H * K), True)
-    phat = phat.view(B, T, H, K)
-    s = rf + (phat * k2).sum(-1)
-    return phat * kf / s[..., None], pT.view(B, H, K)
+class _IsotropicGain(torch.autograd.Function):
+    """``(k, g, omega, r, mu, b0) -> (beta, b_T)``: the fused Isotropic gain, forward and backward."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+        b0: Tensor, out_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        B, T, H, K = k.shape
+        k = k.contiguous()
+        g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
+        beta = k.new_empty(B, T, H, dtype=out_dtype)
+        abar, n = torch.empty_like(r), torch.empty_like(r)
+        carry = b0.new_empty(B, H, triton.cdiv(T, _ISO_BT))
+        bT = torch.empty_like(b0)
+        _iso_gain_fwd_kernel[(B * H,)](k, g, omega, r, mu, b0, beta, abar, n, carry, bT, T, H=H, K=K,
+                                       BK=triton.next_power_of_2(K), BT=_ISO_BT)
+        ctx.save_for_backward(k, g, omega, r, mu, abar, n, carry)
+        return beta, bT
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dbeta: Tensor, dbT: Tensor) -> tuple[Tensor | None, ...]:
+        k, g, omega, r, mu, abar, n, carry = ctx.saved_tensors
+        B, T, H, K = k.shape
+        dk, dg = torch.empty_like(k), torch.empty_like(g)
+        dw, dr = torch.empty_like(omega), torch.empty_like(r)
+        db0 = torch.empty(B, H, device=k.device, dtype=torch.float32)
+        dmu = torch.empty(B, H, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(B * H * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
+        _iso_gain_bwd_kernel[(B * H,)](k, g, omega, r, mu, abar, n, carry, dbeta.contiguous(), dbT.float().contiguous(),
+                                       scratch, dk, dg, dw, dr, dmu, db0, T, H=H, K=K, BK=triton.next_power_of_2(K),
+                                       BT=_ISO_BT)
+        return dk, dg, dw, dr, (dmu.sum(0) if ctx.needs_input_grad[4] else None), db0, None
 
 
-def isotropic_gain(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton Isotropic gains: ``beta [B,T,H]`` (FP32) and ``b_T [B,H]``."""
-    K = k.shape[-1]
-    kf, rf = k.float(), r.float()
-    a = torch.exp(2 * g.float()).mean(-1)
-    n = (kf * kf).sum(-1)
-    u = mu.float() * n / (K * rf)
-    bhat, bT = _MobiusScan.apply(a, omega, u, b0, False)
-    return bhat / (rf + bhat * n), bT
+def diagonal_gain(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [B,H,K]`` (FP32).
+
+    ``k: [B,T,H,K]`` (any float dtype), ``g, omega: [B,T,H,K]``, ``r: [B,T,H]``, ``mu: [H]``, ``p0: [B,H,K]``;
+    gates, ``mu`` and ``p0`` are used in FP32. Differentiable in every tensor input (``mu`` included).
+    """
+    _check_gain_shapes(k, g, omega, r, mu, p0, isotropic=False)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False)
+
+
+def diagonal_gain_dplr(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`diagonal_gain` plus fla's DPLR operands from the same kernel: ``(kappa, a = exp(g) k, b = -kappa,
+    p_T)``, the first three ``[B,T,H,K]`` in ``out_dtype``."""
+    _check_gain_shapes(k, g, omega, r, mu, p0, isotropic=False)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True)
+
+
+def isotropic_gain(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor, out_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Fused Triton Isotropic gains: ``beta [B,T,H]`` in ``out_dtype`` and ``b_T [B,H]`` (FP32).
+
+    ``k, g: [B,T,H,K]``, ``omega, r: [B,T,H]``, ``mu: [H]``, ``b0: [B,H]``. Differentiable in every tensor input.
+    """
+    _check_gain_shapes(k, g, omega, r, mu, b0, isotropic=True)
+    return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype)
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -283,31 +516,41 @@ def _mem_dtype(x: Tensor) -> torch.dtype:
 
 
 def diagonal_kdn(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+    state: tuple[Tensor | None, Tensor], scale: float = 1.0,
 ) -> tuple[Tensor, State]:
-    """Diagonal KDN on CUDA: Triton gain scan + fla's DPLR chunk kernel for the asymmetric memory."""
+    """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel.
+
+    Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [B,H,K,V] or None
+    (zero memory), p0 [B,H,K])``; ``scale`` multiplies ``q``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)``.
+    """
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
-    kappa, pT = diagonal_gain(k, g, omega, r, mu, state[1])
+    S0, p0 = state
     dt = _mem_dtype(v)
-    gf = g.float()
+    kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt)
     o, S = chunk_dplr_delta_rule(
-        q=q.to(dt), k=kappa.to(dt), v=v.to(dt), a=(gf.exp() * k.float()).to(dt), b=(-kappa).to(dt), gk=gf,
-        scale=1.0, initial_state=state[0].float(), output_final_state=True,
+        q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale,
+        initial_state=None if S0 is None else S0.float(), output_final_state=True,
     )
     return o, (S, pT)
 
 
 def isotropic_kdn(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+    state: tuple[Tensor | None, Tensor], scale: float = 1.0,
 ) -> tuple[Tensor, State]:
-    """Isotropic KDN on CUDA: Triton gain scan + fla's ``chunk_kda`` with ``beta`` = the KDN gain."""
+    """Isotropic KDN on CUDA: the fused Triton gain + fla's ``chunk_kda`` with ``beta`` = the KDN gain.
+
+    Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 or None, b0 [B,H])``.
+    """
     from fla.ops.kda import chunk_kda
 
-    beta, bT = isotropic_gain(k, g, omega, r, mu, state[1])
+    S0, b0 = state
     dt = _mem_dtype(v)
+    beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt)
     o, S = chunk_kda(
-        q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta.to(dt), scale=1.0,
-        initial_state=state[0].float(), output_final_state=True,
+        q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta, scale=scale,
+        initial_state=None if S0 is None else S0.float(), output_final_state=True,
     )
     return o, (S, bT)
