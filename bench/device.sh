@@ -1,42 +1,73 @@
 #!/bin/bash
-# Kernel-side GPU work on a lent H200 (the `device` tool): one stage per call, logs and JSON under $OUT.
-#   bash bench/device.sh kernels      # every gpu-marked kdn/mixer test, accuracy rows -> $OUT/accuracy.jsonl
-#   bash bench/device.sh throughput   # bench.mixer_throughput at T = 8K and 32K (KDN, KDA, baselines)
-#   bash bench/device.sh profile      # top CUDA kernels of one KDN layer fwd+bwd (8K)
+# GPU work on a lent H200 (the `device` tool): several stages per call, one log and the JSON under $OUT.
+#   bash bench/device.sh kernels throughput profile train100m throughput750m
+# Stages (each under its own time limit, STAGE_S seconds, default 240, so that later stages and the
+# autotune tarball still run when one stage is slow):
+#   kernels        gpu-marked kdn/mixer tests (KDN_TESTS="-k expr" narrows them), rows -> $OUT/accuracy.jsonl
+#   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K)
+#   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda)
+#   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
+#   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
 # The device image lacks fla: carry its wheels in .whl/ (`pip download --no-deps flash-linear-attention==0.6.0
 # fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune results for that stack; restoring
-# them skips most first-call autotuning (several minutes per fla op otherwise).
+# them skips most first-call autotuning (several minutes per fla op otherwise). The new results come back as
+# $OUT/autotune.tgz, to be saved in bench/triton_cache/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/device}
+LOG=$OUT/device.log
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} PYTHONUNBUFFERED=1 WANDB_MODE=offline
 mkdir -p "$TRITON_CACHE_DIR"
 for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
-case "${1:-}" in
-  kernels)
-    KDN_ACCURACY_JSON=$OUT/accuracy.jsonl python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/test_kdn_triton.py tests/test_mixers_gpu.py 2>&1 | tail -40 | tee "$OUT/kernels.log"
-    ;;
-  throughput)
-    python3 -m bench.mixer_throughput --T 8192 32768 --out "$OUT/mixer_throughput.json" 2>&1 \
-      | grep -v Warning | tee "$OUT/throughput.log"
-    ;;
-  profile)
-    for m in kdn_iso kdn_diag kda; do python3 -m bench.profile_layer --mixer "$m" --T 8192 --rows 20; done \
-      2>&1 | grep -v Warn | tee "$OUT/profile.log"
-    ;;
-  *)
-    echo "usage: $0 kernels|throughput|profile" >&2
-    exit 2
-    ;;
-esac
-rc=$?
-(cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$OUT/autotune.tgz"  # for bench/triton_cache
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+} 2>&1 | grep -v Warn | tee -a "$LOG"
+rc=0
+run_stage() {  # name, command...
+  local name=$1; shift
+  echo "=== $name ($(date -u +%T), limit ${STAGE_S:-240} s)" | tee -a "$LOG"
+  timeout "${STAGE_S:-240}" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
+  local s=${PIPESTATUS[0]}
+  echo "=== $name exit $s" | tee -a "$LOG"
+  [ "$s" = 0 ] || rc=$s
+}
+for stage in "$@"; do
+  case "$stage" in
+    kernels)
+      # shellcheck disable=SC2086
+      run_stage kernels env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu \
+        -x ${KDN_TESTS:-} tests/test_kdn_triton.py tests/test_mixers_gpu.py
+      ;;
+    throughput)
+      # shellcheck disable=SC2086
+      run_stage throughput python3 -m bench.mixer_throughput ${BENCH_ARGS:---mixers kdn_diag kdn_iso kda --T 8192 32768} \
+        --out "$OUT/mixer_throughput.json"
+      ;;
+    profile)
+      for m in ${PROFILE_MIXERS:-kdn_iso kdn_diag kda}; do
+        run_stage "profile $m" python3 -m bench.profile_layer --mixer "$m" --T 8192 --rows 25
+      done
+      ;;
+    train100m)
+      run_stage train100m bash slurm/gpu_checks.sh 100m
+      cp runs/gpu_100m_kdn_diag/summary.json "$OUT/train100m.json" 2>/dev/null
+      ;;
+    throughput750m)
+      run_stage throughput750m bash slurm/gpu_checks.sh throughput
+      cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
+      ;;
+    *)
+      echo "unknown stage $stage; stages: kernels throughput profile train100m throughput750m" >&2
+      exit 2
+      ;;
+  esac
+done
+(cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$OUT/autotune.tgz"
 exit $rc

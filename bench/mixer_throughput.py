@@ -100,6 +100,16 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
 
 
 def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
+    """One row. ``kdn_diag@c64`` runs Diagonal KDN with fla's DPLR kernels at chunk 64 (16, 32, 64)."""
+    if "@c" in name:
+        from kdn import triton_ops
+
+        base, chunk = name.split("@c")
+        default, triton_ops.DPLR_CHUNK = triton_ops.DPLR_CHUNK, int(chunk)
+        try:
+            return {**measure(base, B, T, d, H, K, repeats), "mixer": name}
+        finally:
+            triton_ops.DPLR_CHUNK = default
     layer = build_layer(name, d, H, K)
     n_params = sum(p.numel() for p in layer.parameters())
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

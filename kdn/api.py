@@ -8,6 +8,7 @@ back in ``v``'s dtype, states in the compute dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -87,7 +88,7 @@ def _run(
     kind: str,
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
-    cu_seqlens: Tensor | None, backend: str | None, validate: bool,
+    cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
@@ -101,20 +102,22 @@ def _run(
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise ValueError("initial_state must be a pair (S [N,H,K,V], p [N,H,K] or b [N,H])")
         S0, p0 = initial_state
-        check_shape("initial_state[0] (S)", S0, (n_seq, H, K, V), "N,H,K,V")
+        if S0 is not None:
+            check_shape("initial_state[0] (S)", S0, (n_seq, H, K, V), "N,H,K,V")
         if isotropic:
             check_shape("initial_state[1] (b)", p0, (n_seq, H), "N,H")
         else:
             check_shape("initial_state[1] (p)", p0, (n_seq, H, K), "N,H,K")
     else:
-        S0 = q.new_zeros(n_seq, H, K, V, dtype=dt)
-        p0 = q.new_ones((n_seq, H) if isotropic else (n_seq, H, K), dtype=dt)
+        S0, p0 = None, q.new_ones((n_seq, H) if isotropic else (n_seq, H, K), dtype=dt)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float (q is multiplied by it), got {scale!r}")
     if validate and not torch.compiler.is_compiling():  # one host sync; callers with trusted inputs skip it
-        check_values(
-            {"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t,
-             "initial_state[0] (S)": S0, "initial_state[1] (p/b)": p0},
-            nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu", "initial_state[1] (p/b)"),
-        )
+        values = {"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t, "initial_state[1] (p/b)": p0}
+        if S0 is not None:
+            values["initial_state[0] (S)"] = S0
+        check_values(values, nonpositive=("g",), nonnegative=("omega",),
+                     positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
     if backend == "triton":
         from kdn import triton_ops
@@ -123,18 +126,22 @@ def _run(
     else:
         fn = _torch_isotropic if isotropic else _torch_diagonal
     if backend == "triton":  # kernels take bf16 operands as they come and keep FP32 gates and states
-        args, state = [q, k, v, g, omega, r], (S0.float(), p0.float())
+        # a zero initial memory travels as None: the memory kernels then skip reading it
+        args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
+        run = partial(fn, scale=float(scale), output_final_state=output_final_state)
     else:
-        args, state = [x.to(dt) for x in (q, k, v, g, omega, r)], (S0.to(dt), p0.to(dt))
+        S0 = q.new_zeros(n_seq, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+        args, state = [x.to(dt) for x in (q * scale if scale != 1.0 else q, k, v, g, omega, r)], (S0, p0.to(dt))
+        run = fn
     if cu_seqlens is None:
-        o, final = fn(*args, mu_t, state)
+        o, final = run(*args, mu_t, state)
     else:
-        o, final = _varlen(fn, args, mu_t, state, cu_seqlens)
+        o, final = _varlen(run, args, mu_t, state, cu_seqlens)
     return o.to(v.dtype), (final if output_final_state else None)
 
 
-def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: State, cu_seqlens: Tensor) -> tuple[Tensor, State]:
+def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: tuple, cu_seqlens: Tensor) -> tuple[Tensor, State]:
     """Unpack ``[1, T]`` packed sequences into a right-padded batch and back.
 
     Padding steps are exact identities (zero key and value, ``g = 0``, ``omega = 0``, ``r = 1``), so
@@ -169,18 +176,20 @@ def diagonal_kdn(
     cu_seqlens: Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
+    scale: float = 1.0,
 ) -> tuple[Tensor, State | None]:
     """Diagonal KDN (SPEC §3).
 
     Args: ``q, k, g, omega: [B,T,H,K]``; ``v: [B,T,H,V]``; ``r: [B,T,H]``; ``mu``: float or ``[H]``
-    (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``);
-    ``cu_seqlens``: ``[N+1]`` offsets of packed sequences (``B = 1``).
+    (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``; ``S=None``
+    means a zero memory); ``cu_seqlens``: ``[N+1]`` offsets of packed sequences (``B = 1``);
+    ``scale``: multiplies ``q`` (the kernels fold it in; the layers pass ``K^-0.5``).
     ``validate=False`` skips the value checks (NaN/Inf and ranges; shapes are always checked), which cost
     one host sync: for callers whose inputs are valid by construction, such as the layers.
     Returns ``o [B,T,H,V]`` and, if asked, the final ``(S, p)``.
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate)
+                validate, scale)
 
 
 def isotropic_kdn(
@@ -191,10 +200,11 @@ def isotropic_kdn(
     cu_seqlens: Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
+    scale: float = 1.0,
 ) -> tuple[Tensor, State | None]:
     """Isotropic KDN (SPEC §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate)
+                validate, scale)
 
 
 def _gain_common(

@@ -108,21 +108,18 @@ class _KalmanDelta(nn.Module):
             k = k * m
             g = g * m
             omega = omega * (mask[..., None] if self.isotropic else m)
-        q = q * self.head_dim ** -0.5
+        scale = self.head_dim ** -0.5
         n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        if last is not None:
-            state = last["recurrent"]
-        else:
-            S0 = upcast(x.new_zeros(n_seq, self.num_heads, self.head_dim, self.head_dim))
-            state = (S0, self.initial_uncertainty(n_seq))
+        # a fresh sequence starts from a zero memory (None: the kernels skip it) and the learned prior
+        state = last["recurrent"] if last is not None else (None, self.initial_uncertainty(n_seq))
         if T == 1 and last is not None and cu_seqlens is None:  # decoding: one recurrent step
             step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
-            o, final = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], omega[:, 0], r[:, 0], state, mu=self.mu(),
-                            validate=False)
+            o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], omega[:, 0], r[:, 0], state,
+                            mu=self.mu(), validate=False)
             o = o[:, None]
         else:
             fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
-            o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state,
+            o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
                           validate=False)  # valid by construction: g <= 0, omega >= 0, r >= 0.01
         beta_eff = None

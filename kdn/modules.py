@@ -1,11 +1,14 @@
 """The front end shared by KDN and the delta-rule mixers (SPEC §5, KDA's parametrisation).
 
 Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
-and the sigmoid-gated RMSNorm output. Pure PyTorch: it runs on every device, handles padding
-masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs.
+and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding
+masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
+same operations run through fla's fused Triton kernels (short conv, L2 norm, KDA gate, gated RMSNorm),
+each one pass forward and one backward; ``FLA_FUSED = False`` turns them off (the GPU tests compare both).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,6 +21,32 @@ def inv_softplus(y: Tensor | float) -> Tensor:
     """The ``x`` with ``softplus(x) = y`` (``y > 0``)."""
     y = torch.as_tensor(y, dtype=torch.float32)
     return y + torch.log(-torch.expm1(-y))
+
+
+FLA_FUSED = True
+
+
+@functools.cache
+def _fla_importable() -> bool:
+    try:
+        import fla.modules  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fla_fused(x: Tensor) -> bool:
+    """Whether ``x`` goes through fla's fused kernels: CUDA, below float64, fla installed, ``FLA_FUSED`` on."""
+    return FLA_FUSED and x.is_cuda and x.dtype != torch.float64 and _fla_importable()
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype."""
+    if fla_fused(x):
+        from fla.modules.norm.l2norm import l2norm
+
+        return l2norm(x, eps=1e-12)
+    return F.normalize(upcast(x), dim=-1).to(x.dtype)
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -65,6 +94,14 @@ class ShortConv(nn.Conv1d):
     ) -> tuple[Tensor, Tensor | None]:
         B, T, D = x.shape
         W = self.kernel_size[0]
+        if cache is None and fla_fused(x):
+            from fla.modules.causal_conv1d import causal_conv1d
+
+            y, _ = causal_conv1d(x, self.weight[:, 0, :].to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
+            new_cache = None
+            if output_final_state:  # the last W - 1 inputs, zeros before the start
+                new_cache = F.pad(x[:, -(W - 1):], (0, 0, max(W - 1 - T, 0), 0)).transpose(1, 2).contiguous()
+            return y, new_cache
         hist = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
         xx = torch.cat([hist, x], 1)  # [B, W-1+T, D]
         w = self.weight[:, 0, :]  # [D, W]; w[:, W-1] multiplies the current token
@@ -93,14 +130,32 @@ class RMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        if fla_fused(x):
+            from fla.modules.norm.layernorm import rms_norm
+
+            return rms_norm(x, self.weight, None, eps=self.eps)
         return self.normed(x).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):
-    """Per-head RMSNorm whose output is multiplied by ``sigmoid(gate)``; ``x, gate: [..., D]``."""
+    """Per-head RMSNorm whose output is multiplied by ``act(gate)``; ``x, gate: [..., D]``.
+
+    ``activation``: ``"sigmoid"`` (KDA, KDN) or ``"swish"`` (Gated DeltaNet's output gate).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid") -> None:
+        super().__init__(dim, eps)
+        if activation not in ("sigmoid", "swish"):
+            raise ValueError(f"activation must be 'sigmoid' or 'swish', got {activation!r}")
+        self.activation = activation
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
-        return (self.normed(x) * torch.sigmoid(upcast(gate))).to(x.dtype)
+        if fla_fused(x):
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
+        act = torch.sigmoid if self.activation == "sigmoid" else F.silu
+        return (self.normed(x) * act(upcast(gate))).to(x.dtype)
 
 
 def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:
@@ -165,18 +220,22 @@ class DeltaFrontEnd(nn.Module):
         k, ck = self.k_conv1d(self.k_proj(x), ck, cu_seqlens, use_cache)
         v, cv = self.v_conv1d(self.v_proj(x), cv, cu_seqlens, use_cache)
         B, T = x.shape[:2]
-        q = F.normalize(upcast(q.view(B, T, self.H, self.K)), dim=-1).to(x.dtype)
-        k = F.normalize(upcast(k.view(B, T, self.H, self.K)), dim=-1).to(x.dtype)
+        q = l2_normalize(q.view(B, T, self.H, self.K))
+        k = l2_normalize(k.view(B, T, self.H, self.K))
         return q, k, v.view(B, T, self.H, self.V), ((cq, ck, cv) if use_cache else None)
 
     def log_retention(self, x: Tensor) -> Tensor:
         """``g = log(alpha) <= 0``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]`` (per head)."""
+        B, T = x.shape[:2]
+        if self.alpha_param == "kda" and self.gate == "channel" and fla_fused(x):
+            from fla.ops.kda.gate import fused_kda_gate
+
+            return fused_kda_gate(self.f_proj(x).view(B, T, self.H, self.K), self.A_log, self.dt_bias)
         f = upcast(self.f_proj(x))
         if self.alpha_param == "kda":
             g = -upcast(self.A_log).exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
         else:
             g = F.logsigmoid(f + self.gate_bias)
-        B, T = x.shape[:2]
         return g.view(B, T, self.H, -1).squeeze(-1) if self.gate == "head" else g.view(B, T, self.H, self.K)
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:

@@ -511,18 +511,23 @@ def isotropic_gain(
     return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype)
 
 
+# fla's DPLR chunk size for the Diagonal memory (its default is 16; 32 and 64 compute the decays pairwise too)
+DPLR_CHUNK = 16
+
+
 def _mem_dtype(x: Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
-    state: tuple[Tensor | None, Tensor], scale: float = 1.0,
-) -> tuple[Tensor, State]:
+    state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
+) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel.
 
     Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [B,H,K,V] or None
-    (zero memory), p0 [B,H,K])``; ``scale`` multiplies ``q``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)``.
+    (zero memory), p0 [B,H,K])``; ``scale`` multiplies ``q``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)``
+    (``S_T`` is ``None`` unless ``output_final_state``).
     """
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
@@ -530,16 +535,16 @@ def diagonal_kdn(
     dt = _mem_dtype(v)
     kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt)
     o, S = chunk_dplr_delta_rule(
-        q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale,
-        initial_state=None if S0 is None else S0.float(), output_final_state=True,
+        q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=DPLR_CHUNK,
+        initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
     )
     return o, (S, pT)
 
 
 def isotropic_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
-    state: tuple[Tensor | None, Tensor], scale: float = 1.0,
-) -> tuple[Tensor, State]:
+    state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
+) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Isotropic KDN on CUDA: the fused Triton gain + fla's ``chunk_kda`` with ``beta`` = the KDN gain.
 
     Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 or None, b0 [B,H])``.
@@ -551,6 +556,6 @@ def isotropic_kdn(
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt)
     o, S = chunk_kda(
         q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta, scale=scale,
-        initial_state=None if S0 is None else S0.float(), output_final_state=True,
+        initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
     )
     return o, (S, bT)

@@ -16,6 +16,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kdn.modules import fla_fused
 from models.cache import KDNCache
 from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
@@ -39,7 +40,12 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if fla_fused(gate):  # one fused pass forward and backward on CUDA
+            from fla.modules.activations import swiglu
+
+            return self.down_proj(swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class KDNBlock(GradientCheckpointingLayer):

@@ -103,29 +103,36 @@ def test_triton_varlen(isotropic: bool) -> None:
 
 
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
-def test_gain_scan_fp32_is_tight(isotropic: bool) -> None:
-    """The Triton gain scan alone, FP32 against float64: forward and gradients to ~1e-5."""
+@pytest.mark.parametrize("K", [64, 128])
+def test_gain_scan_fp32_is_tight(isotropic: bool, K: int) -> None:
+    """The fused Triton gain alone, FP32 against float64: the gain, the final uncertainty and the gradient
+    of every input (mu included); Diagonal also through its DPLR operands ``a = exp(g) k``, ``b = -kappa``."""
     from kdn import gain as tgain
     from kdn import triton_ops
 
-    B, T, H, K = 2, 3000, 8, 64
+    B, T, H = 2, 3000, 8
     x = make_inputs(B, T, H, K, K, isotropic=isotropic, seed=3, g_min=-3.0)
     u0 = make_state(B, H, K, K, isotropic=isotropic)[1]
-    leaves64 = {n: x[n].cuda().requires_grad_() for n in ("k", "g", "omega", "r")} | {"u0": u0.cuda().requires_grad_()}
+    mu = torch.linspace(1.0, float(K), H, dtype=torch.float64)
+    leaves64 = {n: x[n].cuda().requires_grad_() for n in ("k", "g", "omega", "r")}
+    leaves64 |= {"u0": u0.cuda().requires_grad_(), "mu": mu.cuda().requires_grad_()}
     leaves32 = {n: t.detach().float().requires_grad_() for n, t in leaves64.items()}
-    mu = torch.full((H,), float(K), device="cuda")
-    ref_fn, fn = (tgain.isotropic_gain, triton_ops.isotropic_gain) if isotropic else (tgain.diagonal_gain,
-                                                                                        triton_ops.diagonal_gain)
-    gain_ref, uT_ref = ref_fn(leaves64["k"], leaves64["g"], leaves64["omega"], leaves64["r"], mu.double(),
-                              leaves64["u0"])
-    gain, uT = fn(leaves32["k"], leaves32["g"], leaves32["omega"], leaves32["r"], mu, leaves32["u0"])
-    up = torch.randn_like(gain_ref)
-    upT = torch.randn_like(uT_ref)
-    ((gain_ref * up).sum() + (uT_ref * upT).sum()).backward()
-    ((gain.double() * up).sum() + (uT.double() * upT).sum()).backward()
-    errs = {"gain": rel_err(gain, gain_ref), "uT": rel_err(uT, uT_ref)}
+    args64 = [leaves64[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
+    args32 = [leaves32[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
+    if isotropic:
+        ref, out = tgain.isotropic_gain(*args64), triton_ops.isotropic_gain(*args32)
+    else:
+        kappa64, p64 = tgain.diagonal_gain(*args64)
+        ref = (kappa64, leaves64["g"].exp() * leaves64["k"], -kappa64, p64)
+        out = triton_ops.diagonal_gain_dplr(*args32)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    ups = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in ref]
+    sum((t * u).sum() for t, u in zip(ref, ups)).backward()
+    sum((t.double() * u).sum() for t, u in zip(out, ups)).backward()
+    names = ("gain", "uT") if isotropic else ("gain", "a", "b", "uT")
+    errs = {n: rel_err(o, r) for n, o, r in zip(names, out, ref)}
     errs.update({f"d{n}": rel_err(leaves32[n].grad, leaves64[n].grad) for n in leaves64})
-    _record({"variant": ("isotropic" if isotropic else "diagonal") + "_gain_fp32", "T": T, **errs})
+    _record({"variant": ("isotropic" if isotropic else "diagonal") + "_gain_fp32", "T": T, "K": K, **errs})
     assert max(errs.values()) < 1e-4, errs
 
 
@@ -171,3 +178,69 @@ def test_fused_recurrent_decoding_matches_float64(isotropic: bool, K: int) -> No
                     "uT": max(errs["uT"], rel_err(state32[1], state64[1]))}
     _record({"variant": ("isotropic" if isotropic else "diagonal") + "_fused_recurrent", "K": K, **errs})
     assert max(errs.values()) < 1e-4, errs
+
+
+@pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
+def test_triton_zero_memory_and_scale(isotropic: bool) -> None:
+    """The layers' call: ``initial_state=(None, u0)`` (zero memory, skipped by the kernels) and ``scale``."""
+    case = _case(2, 300, 4, 64, isotropic, seed=11, g_min=-2.0)
+    scale = 0.37
+    outs = {}
+    for backend, dt in (("torch", torch.float64), ("triton", torch.bfloat16)):
+        lv = {n: case[n].detach().to(dt if n in "qkv" else torch.float64 if dt == torch.float64 else torch.float32)
+              .requires_grad_() for n in ("q", "k", "v", "g", "omega", "r", "u0")}
+        fn = kdn.isotropic_kdn if isotropic else kdn.diagonal_kdn
+        o, (S, uT) = fn(lv["q"], lv["k"], lv["v"], lv["g"], lv["omega"], lv["r"], initial_state=(None, lv["u0"]),
+                        scale=scale, output_final_state=True, backend=backend)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        up = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in (o, S, uT)]
+        sum((t.double() * u).sum() for t, u in zip((o, S, uT), up)).backward()
+        grads = {f"d{n}": t.grad for n, t in lv.items()}
+        outs[backend] = {"o": o.detach(), "S": S.detach(), "uT": uT.detach(), **grads}
+    errs = {n: rel_err(outs["triton"][n], outs["torch"][n]) for n in outs["torch"]}
+    _record({"variant": ("isotropic" if isotropic else "diagonal") + "_zero_memory_scaled", "T": 300, **errs})
+    _assert_within(errs)
+
+
+@pytest.mark.parametrize("cls", [kdn.DiagonalKDN, kdn.IsotropicKDN], ids=["diag", "iso"])
+def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's fused front-end kernels (conv, L2 norm, gate, gated norm) against the PyTorch front end:
+    a whole layer, padded and packed, forward and every gradient, under bf16 autocast."""
+    from kdn import modules
+
+    torch.manual_seed(0)
+    layer = cls(256, 4, 64, layer_idx=0).cuda()
+    x = torch.randn(2, 200, 256, device="cuda")
+    mask = torch.ones(2, 200, dtype=torch.long, device="cuda")
+    mask[1, :37] = 0
+    cu = torch.tensor([0, 70, 133, 200], device="cuda")
+    for kw, xin in (({"attention_mask": mask}, x), ({"cu_seqlens": cu}, x[:1])):
+        res = {}
+        for fused in (False, True):
+            monkeypatch.setattr(modules, "FLA_FUSED", fused)
+            layer.zero_grad()
+            xi = xin.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                o = layer(xi, **kw)[0]
+            w = torch.randn(o.shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
+            (o.float() * w).sum().backward()
+            res[fused] = [o.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+        names = ["o", "dx"] + [n for n, _ in layer.named_parameters()]
+        errs = {n: rel_err(a, b) for n, a, b in zip(names, res[True], res[False])}
+        case = "packed" if "cu_seqlens" in kw else "padded"
+        _record({"variant": f"{cls.__name__}_fused_front_end", "case": case, **errs})
+        bad = {n: e for n, e in errs.items() if e > (1e-2 if n == "o" else 3e-2)}
+        assert not bad, (case, bad)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("T,H,K,g_min", [(1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
+def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: float,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's DPLR kernels at chunk 32 / 64 (exact pairwise decays, no gate bound assumed) for the Diagonal
+    memory: the same tolerances as at chunk 16, strong forgetting included."""
+    from kdn import triton_ops
+
+    monkeypatch.setattr(triton_ops, "DPLR_CHUNK", chunk)
+    case = _case(2, T, H, K, False, seed=T + chunk, g_min=g_min)
+    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "dplr_chunk": chunk}))

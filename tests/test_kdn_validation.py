@@ -79,3 +79,20 @@ def test_step_validates_unless_told_not_to() -> None:
     kdn.diagonal_kdn_step(**bad, state=state, validate=False)
     with pytest.raises(ValueError, match="g has shape"):
         kdn.diagonal_kdn_step(**{**one, "g": one["g"][..., :2]}, state=state, validate=False)
+
+
+@pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
+def test_scale_and_zero_memory_state(isotropic: bool) -> None:
+    """``scale`` equals scaling ``q``; ``initial_state=(None, u)`` equals a zero memory; bad scales are refused."""
+    x = make_inputs(2, 70, 3, 8, 5, isotropic=isotropic, seed=4)
+    fn = kdn.isotropic_kdn if isotropic else kdn.diagonal_kdn
+    u0 = torch.rand(*((2, 3) if isotropic else (2, 3, 8)), dtype=torch.float64) + 0.2
+    S0 = torch.zeros(2, 3, 8, 5, dtype=torch.float64)
+    o1, (S1, p1) = fn(**x, scale=0.3, initial_state=(None, u0), output_final_state=True)
+    o2, (S2, p2) = fn(**{**x, "q": x["q"] * 0.3}, initial_state=(S0, u0), output_final_state=True)
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(S1, S2)
+    torch.testing.assert_close(p1, p2)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            fn(**x, scale=bad)

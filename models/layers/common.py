@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kdn._validate import check_cu_seqlens
-from kdn.modules import RMSNorm, current_mask, upcast
+from kdn.modules import RMSNorm, current_mask
 from kdn.packing import repack, unpack
 
 __all__ = ["current_mask", "repack", "unpack", "unpack_all", "check_cu_seqlens", "last_index", "RMSNorm"]
@@ -32,10 +31,3 @@ def last_index(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) 
     if cu_seqlens is None:
         return torch.full((B,), T - 1, dtype=torch.long, device=device)
     return (cu_seqlens[1:] - cu_seqlens[:-1] - 1).to(device=device, dtype=torch.long)
-
-
-class SwishGatedRMSNorm(RMSNorm):
-    """RMSNorm multiplied by ``silu(gate)`` (fla's ``FusedRMSNormGated`` with ``activation="swish"``)."""
-
-    def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
-        return (self.normed(x) * F.silu(upcast(gate))).to(x.dtype)

@@ -23,10 +23,9 @@ from torch import Tensor
 
 from kdn.cache import RecurrentCache
 from kdn.chunk import MEMORY_CHUNK, memory_chunk
-from kdn.modules import DeltaFrontEnd, upcast
+from kdn.modules import DeltaFrontEnd, GatedRMSNorm, upcast
 from models.layers.common import (
     RMSNorm,
-    SwishGatedRMSNorm,
     check_cu_seqlens,
     current_mask,
     repack,
@@ -50,7 +49,7 @@ class FrontEnd(DeltaFrontEnd):
         self.output_gate = output_gate
         if output_gate == "swish":
             self.g_proj = nn.Linear(hidden_size, self.H * self.V, bias=False)
-            self.o_norm = SwishGatedRMSNorm(self.V, norm_eps)
+            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish")
         elif output_gate == "none":
             del self.g_proj
             self.o_norm = RMSNorm(self.V, norm_eps)
