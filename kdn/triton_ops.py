@@ -1,19 +1,28 @@
 """The CUDA backend of KDN: fused Triton gain kernels plus fla's chunk memory kernels (SPEC §3, §4, §6).
 
-Gain (ours, Triton): one program per (batch, head) holds the whole key axis and walks the sequence in
-chunks of ``BT`` tokens. Per channel, the predicted variances ``p^_t`` follow a Möbius recurrence; inside a
-chunk the 2x2 matrices are composed with ``tl.associative_scan`` (renormalised by their max-abs entry, FP32)
-and applied to the carry ``p_{t0-1}``. Pairing each prediction with the *previous* token's update,
+Gain (ours, Triton): a program holds the whole key axis of one (batch, head) and walks the sequence in chunks
+of ``BT`` tokens. Per channel, the predicted variances ``p^_t`` follow a Möbius recurrence; inside a chunk the
+2x2 matrices are composed with ``tl.associative_scan`` (renormalised by their max-abs entry, FP32) and applied
+to the carry ``p_{t0-1}``. Pairing each prediction with the *previous* token's update,
 ``N_t = [[a_t + w_t u_{t-1}, w_t], [u_{t-1}, 1]]``, makes the scan emit ``p^_t`` directly. The same program
-forms ``u = mu k^2 / r``, the row sums ``s = r + sum_K p^ k^2`` and the gain, so a forward reads ``k, g``
-once and writes the gain once (plus, for Diagonal, fla's DPLR operands ``a = exp(g) k`` and ``b = -kappa``).
+forms ``u = mu k^2 / r``, the row sums ``s = r + sum_K p^ k^2`` and the gain, so it reads ``k, g`` once per
+chunk and writes the gain once (plus, for Diagonal, fla's DPLR operands ``a = exp(g) k`` and ``b = -kappa``).
 
-Backward: only the carries ``p_{t0-1}`` (one row per chunk) are kept. Each chunk, latest first, recomputes
-``p^`` and ``p`` in time order, passes them through a per-program scratch buffer to read them back in
-reversed time order (``tl.associative_scan(reverse=True)`` is avoided: triton-lang/triton#4362), and runs
-the adjoint ``lambda_{t-1} = a_t (gamma_t + lambda_t / (1 + u_t p^_t)^2)`` (SPEC §6) as a forward scan over
-reversed rows. Each element maps ``lambda_t -> (lambda_{t-1}, lambda_t)``, so every row gets its own
-``lambda_t`` without a shifted read.
+Sequence parallelism: the grid is ``(B*H, NS)``, ``NS`` segments of ``SEGC`` chunks each (:func:`_segments`).
+A first launch composes each segment's posterior maps ``M_t = [[a, w], [u a, 1 + u w]]`` into one renormalised
+matrix per channel; the second gets each segment's entering carry by applying the earlier segments' matrices
+to ``p0`` in order, then runs the chunks of its segment. Isotropic's first launch also stores the per-token
+``abar = mean_K exp(2g)`` and ``||k||^2``, so its second reads no ``[B,T,H,K]`` tensor.
+
+Backward: only the carries ``p_{t0-1}`` (one row per chunk) are kept. The adjoint
+``lambda_{t-1} = a_t (e_t + lambda_t / (1 + u_t p^_t)^2)`` (SPEC §6, ``e`` the direct gradient of ``p^``) is
+affine in ``lambda``: a first launch recomputes each segment and composes its steps into one ``(A, B)`` per
+channel; the second applies the later segments' maps to ``lambda_T`` to get the segment's own, then runs its
+chunks, latest first. Each chunk recomputes ``p^`` and ``p`` in time order, passes them through a per-program
+scratch buffer to read them back in reversed time order (``tl.associative_scan(reverse=True)`` is avoided:
+triton-lang/triton#4362), and runs the adjoint as a forward scan over reversed rows. Each element maps
+``lambda_t -> (lambda_{t-1}, lambda_t)``, so every row gets its own ``lambda_t`` without a shifted read.
+Gradients reduced over time (``mu``) are per-program partials summed in torch.
 
 Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps onto
 fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
@@ -47,6 +56,26 @@ def _adjoint_combine(aP, aQ, aR, aS, bP, bQ, bR, bS):
     # maps x -> (P x + Q, R x + S) that read lambda_t and give (lambda_{t-1}, lambda_t); a is applied
     # first (the later token), b next; returns b o a
     return bP * aP, bP * aQ + bQ, bR * aP, bR * aQ + bS
+
+
+@triton.jit
+def _affine_combine(aP, aQ, bP, bQ):
+    # maps x -> P x + Q in time order (a: the earlier token, b: the later one); the adjoint runs backward in
+    # time, so b is applied first: returns a o b
+    return aP * bP, aP * bQ + aQ
+
+
+@triton.jit
+def _last_row(x, BT: tl.constexpr):
+    # row BT-1 of a [BT, BK] tile; rows past T are identities, so this is the whole chunk's composition
+    return tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _seg_chunks(s, SEGC, T, BT: tl.constexpr):
+    # the chunks [c0, c1) of segment s
+    c0 = s * SEGC
+    return c0, tl.minimum(c0 + SEGC, tl.cdiv(T, BT))
 
 
 @triton.jit
@@ -84,54 +113,163 @@ def _diag_chunk(
 
 
 @triton.jit
+def _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu):
+    # per row of a [BT, BK] tile (any row order): the adjoint step lambda_{t-1} = A lambda_t + B with
+    # A = a cc, B = a e, where e is the direct gradient of p^ and cc = dp/dp^
+    a = alpha * alpha
+    k2 = kf * kf
+    u = mu / r[:, None] * k2
+    s = r + tl.sum(ph * k2, axis=1)
+    gam = tl.sum(dkap * ph * kf, axis=1) / s  # sum_K dkappa kappa
+    e = (dkap * kf - gam[:, None] * k2) / s[:, None]
+    d = 1.0 + u * ph
+    return a, k2, u, s, gam, e, 1.0 / (d * d)
+
+
+@triton.jit
+def _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB: tl.constexpr):
+    dkap = tl.load(dkappa_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    if EMIT_AB:  # b = -kappa
+        dkap = dkap - tl.load(db_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    return dkap
+
+
+@triton.jit
+def _diag_seg_fwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, seg_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+):
+    # one (batch*head, segment): the product of the segment's posterior maps M_t = [[a, w], [u a, 1 + u w]]
+    # per channel, renormalised -> seg [B*H, NS, 4, K]
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    ar = tl.arange(0, BT)
+    mu = tl.load(mu_ptr + h)
+    m11 = tl.full([BK], 1.0, tl.float32)
+    m12 = tl.zeros([BK], tl.float32)
+    m21 = tl.zeros([BK], tl.float32)
+    m22 = tl.full([BK], 1.0, tl.float32)
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
+        rows = c * BT + ar
+        mt = rows < T
+        tok = (b * T + rows) * H + h
+        m = mt[:, None] & mk[None, :]
+        idx = tok[:, None] * K + offs_k[None, :]
+        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
+        w = tl.load(w_ptr + idx, mask=m, other=0.0)
+        u = mu / tl.load(r_ptr + tok, mask=mt, other=1.0)[:, None] * kf * kf
+        a = alpha * alpha
+        P11, P12, P21, P22 = tl.associative_scan((a, w, u * a, 1.0 + u * w), 0, _mobius_combine)
+        m11, m12, m21, m22 = _mobius_combine(m11, m12, m21, m22, _last_row(P11, BT), _last_row(P12, BT),
+                                             _last_row(P21, BT), _last_row(P22, BT))
+    base = seg_ptr + (bh * NS + s) * 4 * K + offs_k
+    tl.store(base, m11, mask=mk)
+    tl.store(base + K, m12, mask=mk)
+    tl.store(base + 2 * K, m21, mask=mk)
+    tl.store(base + 3 * K, m22, mask=mk)
+
+
+@triton.jit
 def _diag_gain_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, T,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, seg_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
 ):
+    # one (batch*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks
     bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
     p = tl.load(p0_ptr + bh * K + offs_k, mask=mk, other=1.0)
+    for j in range(s):
+        base = seg_ptr + (bh * NS + j) * 4 * K + offs_k
+        m11 = tl.load(base, mask=mk, other=1.0)
+        m12 = tl.load(base + K, mask=mk, other=0.0)
+        m21 = tl.load(base + 2 * K, mask=mk, other=0.0)
+        m22 = tl.load(base + 3 * K, mask=mk, other=1.0)
+        p = (m11 * p + m12) / (m21 * p + m22)
     NT = tl.cdiv(T, BT)
-    for c in range(NT):
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
         tl.store(carry_ptr + (bh * NT + c) * K + offs_k, p, mask=mk)
         ph, post, p, kf, alpha, r, idx, m = _diag_chunk(
             k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BK, BT
         )
-        s = r + tl.sum(ph * kf * kf, axis=1)
-        kappa = ph * kf / s[:, None]
+        s_row = r + tl.sum(ph * kf * kf, axis=1)
+        kappa = ph * kf / s_row[:, None]
         tl.store(kappa_ptr + idx, kappa.to(kappa_ptr.dtype.element_ty), mask=m)
         if EMIT_AB:
             tl.store(a_ptr + idx, (alpha * kf).to(a_ptr.dtype.element_ty), mask=m)
             tl.store(b_ptr + idx, (-kappa).to(b_ptr.dtype.element_ty), mask=m)
-    tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
+    if s == NS - 1:
+        tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
+
+
+@triton.jit
+def _diag_seg_bwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, db_ptr, seg_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
+):
+    # one (batch*head, segment): the composition of the segment's adjoint steps, lambda at its last token ->
+    # lambda before its first, per channel -> seg [B*H, NS, 2, K] (A, B)
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    mu = tl.load(mu_ptr + h)
+    A = tl.full([BK], 1.0, tl.float32)
+    Bv = tl.zeros([BK], tl.float32)
+    NT = tl.cdiv(T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
+        p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
+        ph, _, _, kf, alpha, r, idx, m = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BK, BT)
+        dkap = _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB)
+        a, _, _, _, _, e, cc = _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu)
+        P, Q = tl.associative_scan((a * cc, a * e), 0, _affine_combine)
+        A, Bv = _affine_combine(A, Bv, _last_row(P, BT), _last_row(Q, BT))
+    base = seg_ptr + (bh * NS + s) * 2 * K + offs_k
+    tl.store(base, A, mask=mk)
+    tl.store(base + K, Bv, mask=mk)
 
 
 @triton.jit
 def _diag_gain_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, da_ptr, db_ptr, dpT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, T,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, seg_ptr, dkappa_ptr, da_ptr, db_ptr, dpT_ptr, scratch_ptr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
 ):
+    # one (batch*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
+    # then its chunks, latest first
     bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     lam = tl.load(dpT_ptr + bh * K + offs_k, mask=mk, other=0.0)  # lambda at the chunk's last token
+    for j in range(NS - 1 - s):
+        base = seg_ptr + (bh * NS + NS - 1 - j) * 2 * K + offs_k
+        lam = tl.load(base, mask=mk, other=1.0) * lam + tl.load(base + K, mask=mk, other=0.0)
     dmu = tl.zeros([BK], tl.float32)
-    sc = scratch_ptr + bh * (4 * BT * BK)  # two buffers of (p^, p), [BT, BK] each, alternating by chunk
+    sc = scratch_ptr + (bh * NS + s) * (4 * BT * BK)  # two buffers of (p^, p), [BT, BK] each, alternating
     fwd_tile = ar[:, None] * BK + offs_k[None, :]
     rev_tile = (BT - 1 - ar)[:, None] * BK + offs_k[None, :]
     one = tl.full([BT, BK], 1.0, tl.float32)
     zero = tl.zeros([BT, BK], tl.float32)
     first = (ar == BT - 1)[:, None]  # in reversed order the chunk's first token is the last row
     NT = tl.cdiv(T, BT)
-    for j in range(NT):
-        c = NT - 1 - j
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for j in range(c1 - c0):
+        c = c1 - 1 - j
         t0 = c * BT
         p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
         ph_f, post_f, _, _, _, _, _, _ = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BK, BT)
@@ -152,23 +290,13 @@ def _diag_gain_bwd_kernel(
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
         alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
         r = tl.load(r_ptr + tok, mask=mt, other=1.0)
-        dkap = tl.load(dkappa_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        if EMIT_AB:
-            dkap = dkap - tl.load(db_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        a = alpha * alpha
-        k2 = kf * kf
-        u = mu / r[:, None] * k2
-        s = r + tl.sum(ph * k2, axis=1)
-        kappa = ph * kf / s[:, None]
-        gam = tl.sum(dkap * kappa, axis=1)
-        e = (dkap * kf - gam[:, None] * k2) / s[:, None]  # the direct gradient of p^
-        d = 1.0 + u * ph
-        cc = 1.0 / (d * d)
+        dkap = _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB)
+        a, k2, u, s_row, gam, e, cc = _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu)
         P, Q, R, S = tl.associative_scan((a * cc, a * e, one, zero), 0, _adjoint_combine)
         lam_t = R * lam[None, :] + S
         dph = e + cc * lam_t
         du = -lam_t * ph * ph * cc
-        dk = (dkap * ph - 2.0 * gam[:, None] * ph * kf) / s[:, None] + 2.0 * mu / r[:, None] * du * kf
+        dk = (dkap * ph - 2.0 * gam[:, None] * ph * kf) / s_row[:, None] + 2.0 * mu / r[:, None] * du * kf
         dg = 2.0 * a * p_prev * dph
         if EMIT_AB:
             da = tl.load(da_ptr + idx, mask=m, other=0.0).to(tl.float32)
@@ -177,40 +305,64 @@ def _diag_gain_bwd_kernel(
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=m)
         tl.store(dg_ptr + idx, dg, mask=m)
         tl.store(dw_ptr + idx, dph, mask=m)
-        tl.store(dr_ptr + tok, -gam / s - tl.sum(du * u, axis=1) / r, mask=mt)
+        tl.store(dr_ptr + tok, -gam / s_row - tl.sum(du * u, axis=1) / r, mask=mt)
         dmu += tl.sum(du * k2 / r[:, None], axis=0)
         lam = tl.sum(tl.where(first, P * lam[None, :] + Q, 0.0), axis=0)  # lambda_{t0-1}
-    tl.store(dp0_ptr + bh * K + offs_k, lam, mask=mk)
-    tl.store(dmu_ptr + bh, tl.sum(dmu, axis=0))
+    if s == 0:
+        tl.store(dp0_ptr + bh * K + offs_k, lam, mask=mk)
+    tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
 
 
 @triton.jit
-def _iso_scan(a, w, u, up, p, BT: tl.constexpr):
-    # [BT] rows in time order from the carry p = b_{t0-1}: returns b^ and b after each token
+def _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H: tl.constexpr, K: tl.constexpr,
+               BT: tl.constexpr):
+    # [BT] rows in time order from the carry p = b_{t0-1}, from the per-token abar and ||k||^2:
+    # b^, b after each token, u, r, n, abar, the rows' offsets and mask; rows past T are identities
+    ar = tl.arange(0, BT)
+    rows = t0 + ar
+    mt = rows < T
+    tok = (b * T + rows) * H + h
+    mp = (rows > t0) & mt
+    r = tl.load(r_ptr + tok, mask=mt, other=1.0)
+    n = tl.load(n_ptr + tok, mask=mt, other=0.0)
+    u = mu * n / (K * r)
+    up = mu * tl.load(n_ptr + tok - H, mask=mp, other=0.0) / (K * tl.load(r_ptr + tok - H, mask=mp, other=1.0))
+    abar = tl.load(abar_ptr + tok, mask=mt, other=1.0)
+    w = tl.load(w_ptr + tok, mask=mt, other=0.0)
     P11, P12, P21, P22 = tl.associative_scan(
-        (a + w * up, w, up, tl.full([BT], 1.0, tl.float32)), 0, _mobius_combine
+        (abar + w * up, w, up, tl.full([BT], 1.0, tl.float32)), 0, _mobius_combine
     )
-    bh = (P11 * p + P12) / (P21 * p + P22)
-    return bh, bh / (1.0 + u * bh)
+    bhat = (P11 * p + P12) / (P21 * p + P22)
+    post = bhat / (1.0 + u * bhat)
+    return bhat, post, u, r, n, abar, tok, mt
 
 
 @triton.jit
-def _iso_gain_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, b0_ptr, beta_ptr, abar_ptr, n_ptr, carry_ptr, bT_ptr, T,
+def _iso_adjoint_rows(bhat, u, r, n, dbeta):
+    # per row: the direct gradient e of b^, the row sum s and cc = db/db^
+    s = r + bhat * n
+    d = 1.0 + u * bhat
+    return dbeta * r / (s * s), s, 1.0 / (d * d)
+
+
+@triton.jit
+def _iso_seg_fwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, seg_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
 ):
+    # one (batch*head, segment): abar = mean_K exp(2g) and n = ||k||^2 per token, and the product of the
+    # segment's posterior maps, renormalised -> seg [B*H, NS, 4]
     bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
-    p = tl.load(b0_ptr + bh)
-    NT = tl.cdiv(T, BT)
-    for c in range(NT):
-        t0 = c * BT
-        tl.store(carry_ptr + bh * NT + c, p)
-        rows = t0 + ar
+    m11, m12, m21, m22 = 1.0, 0.0, 0.0, 1.0
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
+        rows = c * BT + ar
         mt = rows < T
         tok = (b * T + rows) * H + h
         m = mt[:, None] & mk[None, :]
@@ -219,52 +371,105 @@ def _iso_gain_fwd_kernel(
         g = tl.load(g_ptr + idx, mask=m, other=0.0)
         abar = tl.sum(tl.where(mk[None, :], tl.exp(2.0 * g), 0.0), axis=1) / K  # 1 past T: identities
         n = tl.sum(kf * kf, axis=1)
-        mp = (rows > t0) & mt
-        kp = tl.load(k_ptr + idx - H * K, mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
-        rp = tl.load(r_ptr + tok - H, mask=mp, other=1.0)
-        w = tl.load(w_ptr + tok, mask=mt, other=0.0)
-        bhat, post = _iso_scan(abar, w, mu * n / (K * r), mu * tl.sum(kp * kp, axis=1) / (K * rp), p, BT)
-        tl.store(beta_ptr + tok, (bhat / (r + bhat * n)).to(beta_ptr.dtype.element_ty), mask=mt)
         tl.store(abar_ptr + tok, abar, mask=mt)
         tl.store(n_ptr + tok, n, mask=mt)
+        w = tl.load(w_ptr + tok, mask=mt, other=0.0)
+        u = mu * n / (K * tl.load(r_ptr + tok, mask=mt, other=1.0))
+        P11, P12, P21, P22 = tl.associative_scan((abar, w, u * abar, 1.0 + u * w), 0, _mobius_combine)
+        last = ar == BT - 1
+        m11, m12, m21, m22 = _mobius_combine(
+            m11, m12, m21, m22, tl.sum(tl.where(last, P11, 0.0), axis=0), tl.sum(tl.where(last, P12, 0.0), axis=0),
+            tl.sum(tl.where(last, P21, 0.0), axis=0), tl.sum(tl.where(last, P22, 0.0), axis=0),
+        )
+    base = seg_ptr + (bh * NS + s) * 4
+    tl.store(base, m11)
+    tl.store(base + 1, m12)
+    tl.store(base + 2, m21)
+    tl.store(base + 3, m22)
+
+
+@triton.jit
+def _iso_gain_fwd_kernel(
+    w_ptr, r_ptr, mu_ptr, b0_ptr, abar_ptr, n_ptr, seg_ptr, beta_ptr, carry_ptr, bT_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+):
+    # one (batch*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b, h = bh // H, bh % H
+    ar = tl.arange(0, BT)
+    mu = tl.load(mu_ptr + h)
+    p = tl.load(b0_ptr + bh)
+    for j in range(s):
+        base = seg_ptr + (bh * NS + j) * 4
+        p = (tl.load(base) * p + tl.load(base + 1)) / (tl.load(base + 2) * p + tl.load(base + 3))
+    NT = tl.cdiv(T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
+        t0 = c * BT
+        tl.store(carry_ptr + bh * NT + c, p)
+        bhat, post, _, r, n, _, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BT)
+        tl.store(beta_ptr + tok, (bhat / (r + bhat * n)).to(beta_ptr.dtype.element_ty), mask=mt)
         p = tl.sum(tl.where(ar == tl.minimum(T - t0, BT) - 1, post, 0.0), axis=0)
-    tl.store(bT_ptr + bh, p)
+    if s == NS - 1:
+        tl.store(bT_ptr + bh, p)
+
+
+@triton.jit
+def _iso_seg_bwd_kernel(
+    w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, dbeta_ptr, seg_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+):
+    # one (batch*head, segment): the composition of the segment's adjoint steps -> seg [B*H, NS, 2] (A, B)
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b, h = bh // H, bh % H
+    last = tl.arange(0, BT) == BT - 1
+    mu = tl.load(mu_ptr + h)
+    A, Bv = 1.0, 0.0
+    NT = tl.cdiv(T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    for c in range(c0, c1):
+        p = tl.load(carry_ptr + bh * NT + c)
+        bhat, _, u, r, n, abar, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BT)
+        e, _, cc = _iso_adjoint_rows(bhat, u, r, n, tl.load(dbeta_ptr + tok, mask=mt, other=0.0).to(tl.float32))
+        P, Q = tl.associative_scan((abar * cc, abar * e), 0, _affine_combine)
+        A, Bv = _affine_combine(A, Bv, tl.sum(tl.where(last, P, 0.0), axis=0), tl.sum(tl.where(last, Q, 0.0), axis=0))
+    tl.store(seg_ptr + (bh * NS + s) * 2, A)
+    tl.store(seg_ptr + (bh * NS + s) * 2 + 1, Bv)
 
 
 @triton.jit
 def _iso_gain_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, T,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, seg_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
 ):
+    # one (batch*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
+    # then its chunks, latest first
     bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     lam = tl.load(dbT_ptr + bh)
+    for j in range(NS - 1 - s):
+        base = seg_ptr + (bh * NS + NS - 1 - j) * 2
+        lam = tl.load(base) * lam + tl.load(base + 1)
     dmu = tl.zeros([BT], tl.float32)
-    sc = scratch_ptr + bh * (4 * BT)
+    sc = scratch_ptr + (bh * NS + s) * (4 * BT)
     one = tl.full([BT], 1.0, tl.float32)
     zero = tl.zeros([BT], tl.float32)
     first = ar == BT - 1
+    c0, c1 = _seg_chunks(s, SEGC, T, BT)
     NT = tl.cdiv(T, BT)
-    for j in range(NT):
-        c = NT - 1 - j
+    for j in range(c1 - c0):
+        c = c1 - 1 - j
         t0 = c * BT
         p = tl.load(carry_ptr + bh * NT + c)
-        # time order, from the per-token abar and ||k||^2 kept by the forward
-        rows = t0 + ar
-        mt = rows < T
-        tok = (b * T + rows) * H + h
-        mp = (rows > t0) & mt
-        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
-        u = mu * tl.load(n_ptr + tok, mask=mt, other=0.0) / (K * r)
-        up = mu * tl.load(n_ptr + tok - H, mask=mp, other=0.0) / (K * tl.load(r_ptr + tok - H, mask=mp, other=1.0))
-        abar = tl.load(abar_ptr + tok, mask=mt, other=1.0)
-        bhat_f, post_f = _iso_scan(abar, tl.load(w_ptr + tok, mask=mt, other=0.0), u, up, p, BT)
+        bhat_f, post_f, _, _, _, _, _, _ = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BT)
         buf = sc + (j % 2) * (2 * BT)
         tl.store(buf + ar, bhat_f)
         tl.store(buf + BT + ar, post_f)
@@ -282,25 +487,23 @@ def _iso_gain_bwd_kernel(
         r = tl.load(r_ptr + tok, mask=mt, other=1.0)
         dbeta = tl.load(dbeta_ptr + tok, mask=mt, other=0.0).to(tl.float32)
         u = mu * n / (K * r)
-        s = r + bhat * n
-        e = dbeta * r / (s * s)  # the direct gradient of b^
-        d = 1.0 + u * bhat
-        cc = 1.0 / (d * d)
+        e, s_row, cc = _iso_adjoint_rows(bhat, u, r, n, dbeta)
         P, Q, R, S = tl.associative_scan((abar * cc, abar * e, one, zero), 0, _adjoint_combine)
         lam_t = R * lam + S
         dbh = e + cc * lam_t
         du = -lam_t * bhat * bhat * cc
-        dn = -dbeta * bhat * bhat / (s * s) + du * mu / (K * r)
+        dn = -dbeta * bhat * bhat / (s_row * s_row) + du * mu / (K * r)
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
         a = tl.exp(2.0 * tl.load(g_ptr + idx, mask=m, other=0.0))
         tl.store(dk_ptr + idx, (2.0 * kf * dn[:, None]).to(dk_ptr.dtype.element_ty), mask=m)
         tl.store(dg_ptr + idx, (2.0 / K) * a * (b_prev * dbh)[:, None], mask=m)
         tl.store(dw_ptr + tok, dbh, mask=mt)
-        tl.store(dr_ptr + tok, -dbeta * bhat / (s * s) - du * u / r, mask=mt)
+        tl.store(dr_ptr + tok, -dbeta * bhat / (s_row * s_row) - du * u / r, mask=mt)
         dmu += du * n / (K * r)
         lam = tl.sum(tl.where(first, P * lam + Q, 0.0), axis=0)  # lambda_{t0-1}
-    tl.store(db0_ptr + bh, lam)
-    tl.store(dmu_ptr + bh, tl.sum(dmu, axis=0))
+    if s == 0:
+        tl.store(db0_ptr + bh, lam)
+    tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
 
 
 @triton.jit
@@ -389,7 +592,30 @@ def _diag_tiles(K: int) -> tuple[int, int, int]:
     return (BK, 32, 4) if BK <= 64 else (BK, 16, 8)
 
 
+def _diag_reg_cap(BT: int) -> dict[str, int]:
+    """Launch options of the Diagonal forward and segment-backward kernels. With ``BT = 16`` (8 warps) ptxas
+    picks 141-145 registers a thread uncapped and fits 128 without spilling: two programs per SM instead of one."""
+    return {"maxnreg": 128} if BT == 16 else {}
+
+
 _ISO_BT = 32
+# Sequence parallelism: about this many programs per gain launch (>= 4 per SM on a 132-SM H200), segments of
+# at least _MIN_SEG_CHUNKS chunks (each program first applies every earlier segment's map, one K-vector each).
+_TARGET_PROGRAMS = 512
+_MIN_SEG_CHUNKS = 8
+_SEG_OVERRIDE: int | None = None  # tokens per segment (a multiple of the chunk) instead of the rule above: tests
+
+
+def _segments(BH: int, T: int, BT: int) -> tuple[int, int]:
+    """``(SEGC, NS)``: chunks of ``BT`` tokens per segment and the number of segments, for ``B*H = BH``."""
+    NT = triton.cdiv(T, BT)
+    if _SEG_OVERRIDE is None:
+        segc = max(_MIN_SEG_CHUNKS, triton.cdiv(NT, triton.cdiv(_TARGET_PROGRAMS, BH)))
+    elif _SEG_OVERRIDE > 0 and _SEG_OVERRIDE % BT == 0:
+        segc = _SEG_OVERRIDE // BT
+    else:
+        raise ValueError(f"_SEG_OVERRIDE must be a positive multiple of the chunk size {BT}, got {_SEG_OVERRIDE}")
+    return segc, triton.cdiv(NT, segc)
 
 
 def _check_gain_shapes(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, u0: Tensor, isotropic: bool) -> None:
@@ -404,7 +630,10 @@ def _check_gain_shapes(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tenso
 
 
 class _DiagonalGain(torch.autograd.Function):
-    """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward."""
+    """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward.
+
+    Each direction is two launches on a ``(B*H, NS)`` grid: the segments' compositions, then the segments.
+    """
 
     @staticmethod
     def forward(
@@ -415,12 +644,16 @@ class _DiagonalGain(torch.autograd.Function):
         k = k.contiguous()
         g, omega, r, mu, p0 = (x.float().contiguous() for x in (g, omega, r, mu, p0))
         BK, BT, warps = _diag_tiles(K)
+        SEGC, NS = _segments(B * H, T, BT)
         kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
         a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
+        seg = p0.new_empty(B * H, NS, 4, K)
         carry = p0.new_empty(B, H, triton.cdiv(T, BT), K)
         pT = torch.empty_like(p0)
-        _diag_gain_fwd_kernel[(B * H,)](k, g, omega, r, mu, p0, kappa, a, b, carry, pT, T, H=H, K=K, BK=BK, BT=BT,
-                                        EMIT_AB=emit_ab, num_warps=warps)
+        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "num_warps": warps}
+        _diag_seg_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, seg, T, NS, SEGC, **tiles)
+        _diag_gain_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, p0, seg, kappa, a, b, carry, pT, T, NS, SEGC,
+                                           EMIT_AB=emit_ab, **tiles, **_diag_reg_cap(BT))
         ctx.save_for_backward(k, g, omega, r, mu, carry)
         ctx.emit_ab = emit_ab
         return (kappa, a, b, pT) if emit_ab else (kappa, pT)
@@ -430,22 +663,29 @@ class _DiagonalGain(torch.autograd.Function):
         k, g, omega, r, mu, carry = ctx.saved_tensors
         B, T, H, K = k.shape
         BK, BT, warps = _diag_tiles(K)
+        SEGC, NS = _segments(B * H, T, BT)
         dkappa, *rest, dpT = (x.contiguous() for x in grads)
         da, db = rest if ctx.emit_ab else (dkappa, dkappa)
         dk = torch.empty_like(k)
         dg, dw = torch.empty_like(g), torch.empty_like(omega)
         dr = torch.empty_like(r)
         dp0 = torch.empty(B, H, K, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(B, H, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(B * H * 4 * BT * BK, device=k.device, dtype=torch.float32)
-        _diag_gain_bwd_kernel[(B * H,)](k, g, omega, r, mu, carry, dkappa, da, db, dpT.float(), scratch,
-                                        dk, dg, dw, dr, dmu, dp0, T, H=H, K=K, BK=BK, BT=BT, EMIT_AB=ctx.emit_ab,
-                                        num_warps=warps)
-        return dk, dg, dw, dr, (dmu.sum(0) if ctx.needs_input_grad[4] else None), dp0, None, None
+        dmu = torch.empty(B, H, NS, device=k.device, dtype=torch.float32)
+        seg = torch.empty(B * H, NS, 2, K, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(B * H * NS * 4 * BT * BK, device=k.device, dtype=torch.float32)
+        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "EMIT_AB": ctx.emit_ab, "num_warps": warps}
+        _diag_seg_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, carry, dkappa, db, seg, T, NS, SEGC, **tiles,
+                                          **_diag_reg_cap(BT))
+        _diag_gain_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, carry, seg, dkappa, da, db, dpT.float(), scratch,
+                                           dk, dg, dw, dr, dmu, dp0, T, NS, SEGC, **tiles)
+        return dk, dg, dw, dr, (dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None), dp0, None, None
 
 
 class _IsotropicGain(torch.autograd.Function):
-    """``(k, g, omega, r, mu, b0) -> (beta, b_T)``: the fused Isotropic gain, forward and backward."""
+    """``(k, g, omega, r, mu, b0) -> (beta, b_T)``: the fused Isotropic gain, forward and backward.
+
+    Each direction is two launches on a ``(B*H, NS)`` grid: the segments' compositions, then the segments.
+    """
 
     @staticmethod
     def forward(
@@ -455,12 +695,16 @@ class _IsotropicGain(torch.autograd.Function):
         B, T, H, K = k.shape
         k = k.contiguous()
         g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
+        SEGC, NS = _segments(B * H, T, _ISO_BT)
         beta = k.new_empty(B, T, H, dtype=out_dtype)
         abar, n = torch.empty_like(r), torch.empty_like(r)
+        seg = b0.new_empty(B * H, NS, 4)
         carry = b0.new_empty(B, H, triton.cdiv(T, _ISO_BT))
         bT = torch.empty_like(b0)
-        _iso_gain_fwd_kernel[(B * H,)](k, g, omega, r, mu, b0, beta, abar, n, carry, bT, T, H=H, K=K,
-                                       BK=triton.next_power_of_2(K), BT=_ISO_BT)
+        _iso_seg_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, abar, n, seg, T, NS, SEGC, H=H, K=K,
+                                         BK=triton.next_power_of_2(K), BT=_ISO_BT)
+        _iso_gain_fwd_kernel[(B * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, T, NS, SEGC, H=H, K=K,
+                                          BT=_ISO_BT)
         ctx.save_for_backward(k, g, omega, r, mu, abar, n, carry)
         return beta, bT
 
@@ -468,15 +712,19 @@ class _IsotropicGain(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, dbeta: Tensor, dbT: Tensor) -> tuple[Tensor | None, ...]:
         k, g, omega, r, mu, abar, n, carry = ctx.saved_tensors
         B, T, H, K = k.shape
+        SEGC, NS = _segments(B * H, T, _ISO_BT)
+        dbeta = dbeta.contiguous()
         dk, dg = torch.empty_like(k), torch.empty_like(g)
         dw, dr = torch.empty_like(omega), torch.empty_like(r)
         db0 = torch.empty(B, H, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(B, H, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(B * H * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
-        _iso_gain_bwd_kernel[(B * H,)](k, g, omega, r, mu, abar, n, carry, dbeta.contiguous(), dbT.float().contiguous(),
-                                       scratch, dk, dg, dw, dr, dmu, db0, T, H=H, K=K, BK=triton.next_power_of_2(K),
-                                       BT=_ISO_BT)
-        return dk, dg, dw, dr, (dmu.sum(0) if ctx.needs_input_grad[4] else None), db0, None
+        dmu = torch.empty(B, H, NS, device=k.device, dtype=torch.float32)
+        seg = torch.empty(B * H, NS, 2, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(B * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
+        _iso_seg_bwd_kernel[(B * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, T, NS, SEGC, H=H, K=K, BT=_ISO_BT)
+        _iso_gain_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
+                                          scratch, dk, dg, dw, dr, dmu, db0, T, NS, SEGC, H=H, K=K,
+                                          BK=triton.next_power_of_2(K), BT=_ISO_BT)
+        return dk, dg, dw, dr, (dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None), db0, None
 
 
 def diagonal_gain(
