@@ -599,7 +599,7 @@ def _diag_reg_cap(BT: int) -> dict[str, int]:
 
 
 _ISO_BT = 32
-# Sequence parallelism: about this many programs per gain launch (>= 4 per SM on a 132-SM H200), segments of
+# Sequence parallelism: about this many programs per gain launch (about 4 per SM on a 132-SM H200), segments of
 # at least _MIN_SEG_CHUNKS chunks (each program first applies every earlier segment's map, one K-vector each).
 _TARGET_PROGRAMS = 512
 _MIN_SEG_CHUNKS = 8
