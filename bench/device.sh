@@ -1,9 +1,10 @@
 #!/bin/bash
 # GPU work on a lent H200 (the `device` tool): several stages per call, one log and the JSON under $OUT.
 #   bash bench/device.sh kernels throughput profile train100m throughput750m
-# Stages (each under its own time limit, STAGE_S seconds, default 240, so that later stages and the
+# Stages (each under its own time limit, <STAGE>_S or STAGE_S seconds, default 240, so that later stages and the
 # autotune tarball still run when one stage is slow):
-#   kernels        gpu-marked kdn/mixer tests (KDN_TESTS="-k expr" narrows them), rows -> $OUT/accuracy.jsonl
+#   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
+#                  accuracy rows -> $OUT/accuracy.jsonl
 #   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K)
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
@@ -30,10 +31,12 @@ for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRI
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
 } 2>&1 | grep -v Warn | tee -a "$LOG"
 rc=0
-run_stage() {  # name, command...
+run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $STAGE_S
   local name=$1; shift
-  echo "=== $name ($(date -u +%T), limit ${STAGE_S:-240} s)" | tee -a "$LOG"
-  timeout "${STAGE_S:-240}" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
+  local var; var="$(echo "${name%% *}" | tr '[:lower:]' '[:upper:]')_S"
+  local limit=${!var:-${STAGE_S:-240}}
+  echo "=== $name ($(date -u +%T), limit $limit s)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
   local s=${PIPESTATUS[0]}
   echo "=== $name exit $s" | tee -a "$LOG"
   [ "$s" = 0 ] || rc=$s
@@ -43,7 +46,7 @@ for stage in "$@"; do
     kernels)
       # shellcheck disable=SC2086
       run_stage kernels env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu \
-        -x ${KDN_TESTS:-} tests/test_kdn_triton.py tests/test_mixers_gpu.py
+        -k "${KDN_K:-not nothing}" ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_mixers_gpu.py}
       ;;
     throughput)
       # shellcheck disable=SC2086

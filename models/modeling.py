@@ -6,7 +6,7 @@ and ``AutoModelForCausalLM`` (``model_type = "kdn_lm"``) when :mod:`models` is i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -22,12 +22,20 @@ from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
 from models.registry import MIXERS
 
+# transformers renamed the output's cache field (``past_key_values`` in 5.17, ``cache`` by 5.24)
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+
 
 @dataclass
 class KDNCausalLMOutput(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus ``beta_eff``: per layer ``[B, T, H]`` (``None`` for layers without one)."""
 
     beta_eff: tuple[Tensor | None, ...] | None = None
+
+    @property
+    def recurrent_cache(self) -> KDNCache | None:
+        """The decoding cache, whichever name the installed transformers gives the field."""
+        return getattr(self, CACHE_FIELD)
 
 
 class SwiGLU(nn.Module):
@@ -224,4 +232,5 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
             logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         elif logits is not None and logits_to_keep:
             logits = logits[:, -logits_to_keep:]
-        return KDNCausalLMOutput(loss=loss, logits=logits, cache=cache if use_cache else None, beta_eff=betas)
+        out_cache = {CACHE_FIELD: cache if use_cache else None}
+        return KDNCausalLMOutput(loss=loss, logits=logits, beta_eff=betas, **out_cache)

@@ -10,6 +10,8 @@ export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 # Shards prepared elsewhere (a machine without the corpus package can carry data/cache/) are used as they are.
 DATA=()
 if [ -f data/cache/embedded-kjv-val10-mistral-v1/meta.json ]; then DATA=(data.auto_prepare=false); fi
+# Without wandb installed (a bare GPU image), log JSONL only.
+if ! python -c "import wandb" 2>/dev/null; then DATA+=(logging.wandb.mode=disabled); fi
 case "${1:-}" in
   100m)
     rm -rf runs/gpu_100m_kdn_diag

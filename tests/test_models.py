@@ -72,7 +72,7 @@ def test_prefill_then_cached_decode_equals_full_forward(mixer: str, pattern: str
         out = model(x[:, :19], use_cache=True)
         steps = [out.logits]
         for t in range(19, 30):
-            out = model(x[:, t:t + 1], past_key_values=out.cache, use_cache=True)
+            out = model(x[:, t:t + 1], past_key_values=out.recurrent_cache, use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
 
@@ -173,7 +173,7 @@ def test_decoding_memory_is_constant_or_window_bounded(pattern: str) -> None:
         out = model(x[:, :12], use_cache=True)
         sizes = []
         for t in range(12, 40):
-            out = model(x[:, t:t + 1], past_key_values=out.cache, use_cache=True)
+            out = model(x[:, t:t + 1], past_key_values=out.recurrent_cache, use_cache=True)
             sizes.append(out.cache.num_elements())
     assert len(set(sizes[4:])) == 1  # once the window is full, nothing grows
     if pattern == "recurrent":

@@ -70,7 +70,11 @@ class MetricLogger:
         truncate_jsonl(self.path, resume_step)
         self.file = self.path.open("a")
         if wandb_mode != "disabled":
-            import wandb
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError(f"logging.wandb.mode={wandb_mode} needs wandb: pip install wandb, "
+                                  "or set logging.wandb.mode=disabled (JSONL metrics only)") from e
 
             self.wandb_run = wandb.init(
                 project=wandb_project, entity=wandb_entity, name=run_name, id=wandb_id, resume="allow",
