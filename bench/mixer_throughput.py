@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bench import roofline
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -129,11 +131,14 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> 
     kf = kernel_fn(name, B, T, H, K)
     ms_kernel = time_ms(kf, repeats) if kf is not None else None
     linear_flops = 6 * n_params * B * T  # projections, fwd+bwd
-    return {
+    row = {
         "mixer": name, "T": T, "ms_fwdbwd": ms_fb, "ms_fwd": ms_f, "ms_kernel_fwdbwd": ms_kernel,
         "tokens_per_s": B * T / (ms_fb / 1e3), "peak_mem_gb": peak, "params": n_params,
         "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
     }
+    if ms_kernel is not None:  # the kernel-only run against the analytic floors (bench.roofline)
+        row.update(roofline.achieved(name, B, T, H, K, K, ms_kernel))
+    return row
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -200,15 +205,19 @@ def main() -> None:
     plot(rows, args.out.with_suffix(".png"))
     ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
     print(f"\n{'mixer':<12}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
-          f"{'x KDA':>7}{'peak GB':>9}")
+          f"{'x KDA':>7}{'peak GB':>9}{'kern TF/s':>11}{'kern GB/s':>11}")
     for r in rows:
         if "error" in r:
             print(f"{r['mixer']:<12}{r['T']:>7}  {r['error'][:70]}")
             continue
         kern = f"{r['ms_kernel_fwdbwd']:.2f}" if r["ms_kernel_fwdbwd"] is not None else "-"
         ratio = r["tokens_per_s"] / ref[r["T"]] if r["T"] in ref else math.nan
+        tf = f"{r['kernel_tflops']:.1f}" if "kernel_tflops" in r else "-"
+        gb = f"{r['kernel_gbps']:.0f}" if "kernel_gbps" in r else "-"
         print(f"{r['mixer']:<12}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{kern:>11}"
-              f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}")
+              f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}{tf:>11}{gb:>11}")
+    print(f"ceilings: {roofline.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 dense, {roofline.H200_HBM_TBPS} TB/s HBM "
+          "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time)")
 
 
 if __name__ == "__main__":
