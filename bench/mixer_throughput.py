@@ -102,16 +102,19 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
 
 
 def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
-    """One row. ``kdn_diag@c64`` runs Diagonal KDN with fla's DPLR kernels at chunk 64 (16, 32, 64)."""
-    if "@c" in name:
+    """One row. Diagonal KDN variants: ``kdn_diag@c64`` runs fla's DPLR kernels at chunk 64 (16, 32, 64),
+    ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels (``kdn.triton_ops.DIAG_MEMORY``)."""
+    if "@" in name:
         from kdn import triton_ops
 
-        base, chunk = name.split("@c")
-        default, triton_ops.DPLR_CHUNK = triton_ops.DPLR_CHUNK, int(chunk)
+        base, variant = name.split("@")
+        setting = ("DIAG_MEMORY", "asym") if variant == "asym" else ("DPLR_CHUNK", int(variant.removeprefix("c")))
+        default = getattr(triton_ops, setting[0])
+        setattr(triton_ops, *setting)
         try:
             return {**measure(base, B, T, d, H, K, repeats), "mixer": name}
         finally:
-            triton_ops.DPLR_CHUNK = default
+            setattr(triton_ops, setting[0], default)
     layer = build_layer(name, d, H, K)
     n_params = sum(p.numel() for p in layer.parameters())
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -137,7 +140,7 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> 
         "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
     }
     if ms_kernel is not None:  # the kernel-only run against the analytic floors (bench.roofline)
-        row.update(roofline.achieved(name, B, T, H, K, K, ms_kernel))
+        row.update(roofline.achieved(name.split("@")[0], B, T, H, K, K, ms_kernel))
     return row
 
 

@@ -25,7 +25,8 @@ triton-lang/triton#4362), and runs the adjoint as a forward scan over reversed r
 Gradients reduced over time (``mu``) are per-program partials summed in torch.
 
 Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps onto
-fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
+fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``DIAG_MEMORY = "dplr"``), or runs
+fla's asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``"asym"``).
 
 Decoding: ``fused_recurrent`` runs gain and memory token by token in one kernel, the state in registers.
 """
@@ -759,8 +760,73 @@ def isotropic_gain(
     return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype)
 
 
-# fla's DPLR chunk size for the Diagonal memory (its default is 16; 32 and 64 compute the decays pairwise too)
+# The Diagonal memory kernel: "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK; verified on an H200) or
+# "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; not yet measured on a GPU).
+DIAG_MEMORY = "dplr"
+# fla's DPLR chunk size (its default is 16; 32 and 64 compute the decays pairwise too)
 DPLR_CHUNK = 16
+ASYM_CHUNK = 64
+
+
+class _AsymmetricMemory(torch.autograd.Function):
+    """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
+    ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
+    ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``).
+
+    ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
+    ``S0 [B,H,K,V]`` FP32 or ``None``. Returns ``o [B,T,H,V]`` and ``S_T`` (``None`` unless asked).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
+        S0: Tensor | None, scale: float, output_final_state: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=ASYM_CHUNK, scale=RCP_LN2)  # log2, per chunk
+        beta = q.new_ones(q.shape[:3])
+        w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
+            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=ASYM_CHUNK)
+        h, v_new, S = chunk_gated_delta_rule_fwd_h(
+            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=ASYM_CHUNK)
+        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=ASYM_CHUNK)
+        ctx.save_for_backward(q, k, kappa, v, gc, beta, Aqk, Akk, S0)
+        ctx.scale = scale
+        return o.to(q.dtype), S
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv, chunk_precond_kda_bwd_wy_dqkg
+        from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
+        from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+
+        q, k, kappa, v, gc, beta, Aqk, Akk, S0 = ctx.saved_tensors
+        scale, C = ctx.scale, ASYM_CHUNK
+        do = do.contiguous()
+        # recompute the WY representation and the chunk states (as fla's KDA backward does)
+        w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                         output_qg=True, output_kg=True)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
+                                                   output_final_state=False, chunk_size=C)
+        dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C)
+        dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
+                                                     scale=scale, chunk_size=C)
+        dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_precond_kda_bwd_wy_dqkg(
+            q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+            scale=scale, chunk_size=C)
+        dq, dk, dkappa, _, dg = chunk_precond_kda_bwd_intra(
+            q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
+            db=dbeta, dg=dg, chunk_size=C)  # dg is already the gradient of the raw g (reverse cumsum applied)
+        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -781,6 +847,13 @@ def diagonal_kdn(
 
     S0, p0 = state
     dt = _mem_dtype(v)
+    if DIAG_MEMORY == "asym":
+        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt)
+        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
+                                       float(scale), output_final_state)
+        return o, (S, pT)
+    if DIAG_MEMORY != "dplr":
+        raise ValueError(f"kdn.triton_ops.DIAG_MEMORY must be 'dplr' or 'asym', got {DIAG_MEMORY!r}")
     kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt)
     o, S = chunk_dplr_delta_rule(
         q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=DPLR_CHUNK,

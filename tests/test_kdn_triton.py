@@ -244,3 +244,35 @@ def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: fl
     monkeypatch.setattr(triton_ops, "DPLR_CHUNK", chunk)
     case = _case(2, T, H, K, False, seed=T + chunk, g_min=g_min)
     _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "dplr_chunk": chunk}))
+
+
+@pytest.mark.parametrize("T,H,K,g_min", [(1, 1, 64, -2.0), (63, 1, 64, -2.0), (64, 16, 64, -2.0), (65, 1, 128, -2.0),
+                                         (1000, 16, 128, -2.0), (1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
+def test_diagonal_asymmetric_chunk_kernels(T: int, H: int, K: int, g_min: float,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DIAG_MEMORY = "asym"``: the Diagonal memory through fla's asymmetric chunk-64 kernels, every gradient
+    within fla's KDA tolerances, strong forgetting included."""
+    from kdn import triton_ops
+
+    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
+    case = _case(2, T, H, K, False, seed=T + H + K + 7, g_min=g_min)
+    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "memory": "asym"}))
+
+
+def test_diagonal_asymmetric_varlen_and_zero_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn import triton_ops
+
+    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
+    lengths = [1, 100, 63, 700, 64, 2]
+    case = _case(1, sum(lengths), 16, 64, False, seed=8, g_min=-2.0)
+    S0, u0 = make_state(len(lengths), 16, 64, 64, isotropic=False, seed=9)
+    case["S0"], case["u0"] = S0.cuda(), u0.cuda()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    _assert_within(_compare(False, case, {"T": sum(lengths), "varlen": lengths, "memory": "asym"}, cu))
+    x = _case(2, 300, 4, 64, False, seed=12, g_min=-2.0)
+    names = ("q", "k", "v", "g", "omega", "r")
+    lv = [x[n].to(torch.bfloat16 if n in "qkv" else torch.float32) for n in names]
+    ref = kdn.diagonal_kdn(*(x[n] for n in names), initial_state=(None, x["u0"]), scale=0.37, backend="torch")[0]
+    out = kdn.diagonal_kdn(*lv, initial_state=(None, x["u0"].float()), scale=0.37, backend="triton")[0]
+    _record({"variant": "diagonal_asym_zero_memory_scaled", "T": 300, "o": rel_err(out, ref)})
+    assert rel_err(out, ref) < TOL["o"], rel_err(out, ref)
