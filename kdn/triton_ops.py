@@ -24,6 +24,11 @@ triton-lang/triton#4362), and runs the adjoint as a forward scan over reversed r
 ``lambda_t -> (lambda_{t-1}, lambda_t)``, so every row gets its own ``lambda_t`` without a shifted read.
 Gradients reduced over time (``mu``) are per-program partials summed in torch.
 
+Packed sequences: with ``cu_seqlens [N+1]`` (``B = 1``) the grid is ``(N*H, NS)``, ``NS`` from the longest
+sequence; a program reads its sequence's first row and length from ``cu_seqlens`` (``IS_VARLEN``), segments
+past the end do nothing, and states, carries and scratch are per sequence. The segment holding a sequence's
+last token writes its final state (segment 0 for an empty sequence, whose state passes through).
+
 Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps onto
 fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``DIAG_MEMORY = "dplr"``), or runs
 fla's asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``"asym"``).
@@ -74,23 +79,37 @@ def _last_row(x, BT: tl.constexpr):
 
 @triton.jit
 def _seg_chunks(s, SEGC, T, BT: tl.constexpr):
-    # the chunks [c0, c1) of segment s
+    # the chunks [c0, c1) of segment s of a sequence of T tokens (empty past its end)
     c0 = s * SEGC
     return c0, tl.minimum(c0 + SEGC, tl.cdiv(T, BT))
 
 
 @triton.jit
+def _sequence(cu_ptr, b, T, SEGC, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # sequence b: the row of its first token, its length and its last segment (0 for an empty sequence); packed
+    # sequences read cu_seqlens, batch rows have T tokens each
+    if IS_VARLEN:
+        bos = tl.load(cu_ptr + b).to(tl.int64)
+        Tn = tl.load(cu_ptr + b + 1).to(tl.int64) - bos
+    else:
+        bos = b * T
+        Tn = T
+    return bos, Tn, tl.maximum(tl.cdiv(tl.cdiv(Tn, BT), SEGC), 1) - 1
+
+
+@triton.jit
 def _diag_chunk(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
 ):
-    # tokens t0 .. t0+BT-1 in time order from the carry p = p_{t0-1} [BK]; rows past T are identities
+    # tokens t0 .. t0+BT-1 of the sequence starting at row bos (T tokens long) in time order from the carry
+    # p = p_{t0-1} [BK]; rows past T are identities
     ar = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     rows = t0 + ar
     mt = rows < T
-    tok = (b * T + rows) * H + h
+    tok = (bos + rows) * H + h
     m = mt[:, None] & mk[None, :]
     idx = tok[:, None] * K + offs_k[None, :]
     kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
@@ -137,14 +156,15 @@ def _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB: tl.constexpr):
 
 @triton.jit
 def _diag_seg_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, seg_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the product of the segment's posterior maps M_t = [[a, w], [u a, 1 + u w]]
-    # per channel, renormalised -> seg [B*H, NS, 4, K]
+    # one (sequence*head, segment): the product of the segment's posterior maps M_t = [[a, w], [u a, 1 + u w]]
+    # per channel, renormalised -> seg [N*H, NS, 4, K] (identities past the sequence's end)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
@@ -153,11 +173,11 @@ def _diag_seg_fwd_kernel(
     m12 = tl.zeros([BK], tl.float32)
     m21 = tl.zeros([BK], tl.float32)
     m22 = tl.full([BK], 1.0, tl.float32)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         rows = c * BT + ar
-        mt = rows < T
-        tok = (b * T + rows) * H + h
+        mt = rows < Tn
+        tok = (bos + rows) * H + h
         m = mt[:, None] & mk[None, :]
         idx = tok[:, None] * K + offs_k[None, :]
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
@@ -177,18 +197,22 @@ def _diag_seg_fwd_kernel(
 
 @triton.jit
 def _diag_gain_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, seg_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, T, NS, SEGC,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, seg_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, cu_ptr,
+    T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks
+    # one (sequence*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks;
+    # T is the longest sequence's length (the carry's layout), segments past a sequence's end do nothing
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
     p = tl.load(p0_ptr + bh * K + offs_k, mask=mk, other=1.0)
-    for j in range(s):
+    for j in range(tl.where(s <= s_last, s, 0)):
         base = seg_ptr + (bh * NS + j) * 4 * K + offs_k
         m11 = tl.load(base, mask=mk, other=1.0)
         m12 = tl.load(base + K, mask=mk, other=0.0)
@@ -196,11 +220,11 @@ def _diag_gain_fwd_kernel(
         m22 = tl.load(base + 3 * K, mask=mk, other=1.0)
         p = (m11 * p + m12) / (m21 * p + m22)
     NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         tl.store(carry_ptr + (bh * NT + c) * K + offs_k, p, mask=mk)
         ph, post, p, kf, alpha, r, idx, m = _diag_chunk(
-            k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BK, BT
+            k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, c * BT, Tn, H, K, BK, BT
         )
         s_row = r + tl.sum(ph * kf * kf, axis=1)
         kappa = ph * kf / s_row[:, None]
@@ -208,30 +232,33 @@ def _diag_gain_fwd_kernel(
         if EMIT_AB:
             tl.store(a_ptr + idx, (alpha * kf).to(a_ptr.dtype.element_ty), mask=m)
             tl.store(b_ptr + idx, (-kappa).to(b_ptr.dtype.element_ty), mask=m)
-    if s == NS - 1:
+    if s == s_last:
         tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
 
 
 @triton.jit
 def _diag_seg_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, db_ptr, seg_ptr, T, NS, SEGC,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, db_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the composition of the segment's adjoint steps, lambda at its last token ->
-    # lambda before its first, per channel -> seg [B*H, NS, 2, K] (A, B)
+    # one (sequence*head, segment): the composition of the segment's adjoint steps, lambda at its last token ->
+    # lambda before its first, per channel -> seg [N*H, NS, 2, K] (A, B)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
     A = tl.full([BK], 1.0, tl.float32)
     Bv = tl.zeros([BK], tl.float32)
     NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
-        ph, _, _, kf, alpha, r, idx, m = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BK, BT)
+        ph, _, _, kf, alpha, r, idx, m = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, c * BT, Tn,
+                                                     H, K, BK, BT)
         dkap = _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB)
         a, _, _, _, _, e, cc = _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu)
         P, Q = tl.associative_scan((a * cc, a * e), 0, _affine_combine)
@@ -244,21 +271,23 @@ def _diag_seg_bwd_kernel(
 @triton.jit
 def _diag_gain_bwd_kernel(
     k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, seg_ptr, dkappa_ptr, da_ptr, db_ptr, dpT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, T, NS, SEGC,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, cu_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
+    # one (sequence*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
     # then its chunks, latest first
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     lam = tl.load(dpT_ptr + bh * K + offs_k, mask=mk, other=0.0)  # lambda at the chunk's last token
-    for j in range(NS - 1 - s):
-        base = seg_ptr + (bh * NS + NS - 1 - j) * 2 * K + offs_k
+    for j in range(s_last - s):
+        base = seg_ptr + (bh * NS + s_last - j) * 2 * K + offs_k
         lam = tl.load(base, mask=mk, other=1.0) * lam + tl.load(base + K, mask=mk, other=0.0)
     dmu = tl.zeros([BK], tl.float32)
     sc = scratch_ptr + (bh * NS + s) * (4 * BT * BK)  # two buffers of (p^, p), [BT, BK] each, alternating
@@ -268,20 +297,20 @@ def _diag_gain_bwd_kernel(
     zero = tl.zeros([BT, BK], tl.float32)
     first = (ar == BT - 1)[:, None]  # in reversed order the chunk's first token is the last row
     NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for j in range(c1 - c0):
         c = c1 - 1 - j
         t0 = c * BT
         p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
-        ph_f, post_f, _, _, _, _, _, _ = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BK, BT)
+        ph_f, post_f, _, _, _, _, _, _ = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, Tn, H, K, BK, BT)
         buf = sc + (j % 2) * (2 * BT * BK)
         tl.store(buf + fwd_tile, ph_f)
         tl.store(buf + BT * BK + fwd_tile, post_f)
         tl.debug_barrier()
         # reversed order: row i holds token t0 + BT - 1 - i
         rows = t0 + BT - 1 - ar
-        mt = rows < T
-        tok = (b * T + rows) * H + h
+        mt = rows < Tn
+        tok = (bos + rows) * H + h
         m = mt[:, None] & mk[None, :]
         idx = tok[:, None] * K + offs_k[None, :]
         ph = tl.load(buf + rev_tile, volatile=True)
@@ -315,14 +344,15 @@ def _diag_gain_bwd_kernel(
 
 
 @triton.jit
-def _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H: tl.constexpr, K: tl.constexpr,
+def _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, T, H: tl.constexpr, K: tl.constexpr,
                BT: tl.constexpr):
-    # [BT] rows in time order from the carry p = b_{t0-1}, from the per-token abar and ||k||^2:
-    # b^, b after each token, u, r, n, abar, the rows' offsets and mask; rows past T are identities
+    # [BT] rows of the sequence starting at row bos (T tokens long) in time order from the carry p = b_{t0-1},
+    # from the per-token abar and ||k||^2: b^, b after each token, u, r, n, abar, the rows' offsets and mask;
+    # rows past T are identities
     ar = tl.arange(0, BT)
     rows = t0 + ar
     mt = rows < T
-    tok = (b * T + rows) * H + h
+    tok = (bos + rows) * H + h
     mp = (rows > t0) & mt
     r = tl.load(r_ptr + tok, mask=mt, other=1.0)
     n = tl.load(n_ptr + tok, mask=mt, other=0.0)
@@ -348,24 +378,25 @@ def _iso_adjoint_rows(bhat, u, r, n, dbeta):
 
 @triton.jit
 def _iso_seg_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, seg_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): abar = mean_K exp(2g) and n = ||k||^2 per token, and the product of the
-    # segment's posterior maps, renormalised -> seg [B*H, NS, 4]
+    # one (sequence*head, segment): abar = mean_K exp(2g) and n = ||k||^2 per token, and the product of the
+    # segment's posterior maps, renormalised -> seg [N*H, NS, 4] (identities past the sequence's end)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     m11, m12, m21, m22 = 1.0, 0.0, 0.0, 1.0
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         rows = c * BT + ar
-        mt = rows < T
-        tok = (b * T + rows) * H + h
+        mt = rows < Tn
+        tok = (bos + rows) * H + h
         m = mt[:, None] & mk[None, :]
         idx = tok[:, None] * K + offs_k[None, :]
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
@@ -391,48 +422,52 @@ def _iso_seg_fwd_kernel(
 
 @triton.jit
 def _iso_gain_fwd_kernel(
-    w_ptr, r_ptr, mu_ptr, b0_ptr, abar_ptr, n_ptr, seg_ptr, beta_ptr, carry_ptr, bT_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    w_ptr, r_ptr, mu_ptr, b0_ptr, abar_ptr, n_ptr, seg_ptr, beta_ptr, carry_ptr, bT_ptr, cu_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks
+    # one (sequence*head, segment): the earlier segments' maps give the entering carry, then the segment's
+    # chunks; T is the longest sequence's length (the carry's layout), segments past a sequence's end do nothing
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     p = tl.load(b0_ptr + bh)
-    for j in range(s):
+    for j in range(tl.where(s <= s_last, s, 0)):
         base = seg_ptr + (bh * NS + j) * 4
         p = (tl.load(base) * p + tl.load(base + 1)) / (tl.load(base + 2) * p + tl.load(base + 3))
     NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         t0 = c * BT
         tl.store(carry_ptr + bh * NT + c, p)
-        bhat, post, _, r, n, _, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BT)
+        bhat, post, _, r, n, _, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, Tn, H, K, BT)
         tl.store(beta_ptr + tok, (bhat / (r + bhat * n)).to(beta_ptr.dtype.element_ty), mask=mt)
-        p = tl.sum(tl.where(ar == tl.minimum(T - t0, BT) - 1, post, 0.0), axis=0)
-    if s == NS - 1:
+        p = tl.sum(tl.where(ar == tl.minimum(Tn - t0, BT) - 1, post, 0.0), axis=0)
+    if s == s_last:
         tl.store(bT_ptr + bh, p)
 
 
 @triton.jit
 def _iso_seg_bwd_kernel(
-    w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, dbeta_ptr, seg_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, dbeta_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the composition of the segment's adjoint steps -> seg [B*H, NS, 2] (A, B)
+    # one (sequence*head, segment): the composition of the segment's adjoint steps -> seg [N*H, NS, 2] (A, B)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     last = tl.arange(0, BT) == BT - 1
     mu = tl.load(mu_ptr + h)
     A, Bv = 1.0, 0.0
     NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     for c in range(c0, c1):
         p = tl.load(carry_ptr + bh * NT + c)
-        bhat, _, u, r, n, abar, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, c * BT, T, H, K, BT)
+        bhat, _, u, r, n, abar, tok, mt = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, bos, h, c * BT, Tn,
+                                                     H, K, BT)
         e, _, cc = _iso_adjoint_rows(bhat, u, r, n, tl.load(dbeta_ptr + tok, mask=mt, other=0.0).to(tl.float32))
         P, Q = tl.associative_scan((abar * cc, abar * e), 0, _affine_combine)
         A, Bv = _affine_combine(A, Bv, tl.sum(tl.where(last, P, 0.0), axis=0), tl.sum(tl.where(last, Q, 0.0), axis=0))
@@ -443,42 +478,43 @@ def _iso_seg_bwd_kernel(
 @triton.jit
 def _iso_gain_bwd_kernel(
     k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, seg_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, cu_ptr, T, NS, SEGC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (batch*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
+    # one (sequence*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
     # then its chunks, latest first
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
+    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     lam = tl.load(dbT_ptr + bh)
-    for j in range(NS - 1 - s):
-        base = seg_ptr + (bh * NS + NS - 1 - j) * 2
+    for j in range(s_last - s):
+        base = seg_ptr + (bh * NS + s_last - j) * 2
         lam = tl.load(base) * lam + tl.load(base + 1)
     dmu = tl.zeros([BT], tl.float32)
     sc = scratch_ptr + (bh * NS + s) * (4 * BT)
     one = tl.full([BT], 1.0, tl.float32)
     zero = tl.zeros([BT], tl.float32)
     first = ar == BT - 1
-    c0, c1 = _seg_chunks(s, SEGC, T, BT)
+    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     NT = tl.cdiv(T, BT)
     for j in range(c1 - c0):
         c = c1 - 1 - j
         t0 = c * BT
         p = tl.load(carry_ptr + bh * NT + c)
-        bhat_f, post_f, _, _, _, _, _, _ = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, b, h, t0, T, H, K, BT)
+        bhat_f, post_f, _, _, _, _, _, _ = _iso_chunk(abar_ptr, n_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, Tn, H, K, BT)
         buf = sc + (j % 2) * (2 * BT)
         tl.store(buf + ar, bhat_f)
         tl.store(buf + BT + ar, post_f)
         tl.debug_barrier()
         # reversed order: row i holds token t0 + BT - 1 - i
         rows = t0 + BT - 1 - ar
-        mt = rows < T
-        tok = (b * T + rows) * H + h
+        mt = rows < Tn
+        tok = (bos + rows) * H + h
         m = mt[:, None] & mk[None, :]
         idx = tok[:, None] * K + offs_k[None, :]
         bhat = tl.load(buf + BT - 1 - ar, volatile=True)
@@ -619,145 +655,193 @@ def _segments(BH: int, T: int, BT: int) -> tuple[int, int]:
     return segc, triton.cdiv(NT, segc)
 
 
-def _check_gain_shapes(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, u0: Tensor, isotropic: bool) -> None:
+def _sequences(k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int]:
+    """``(N, L)``: the number of sequences and the longest one's length. Without ``cu_seqlens`` the batch rows
+    (``N = B``, ``L = T``); with it, the packed sequences of ``k [1,T,...]`` at offsets ``cu_seqlens [N+1]``
+    (int32/int64 on ``k``'s device; read on the host: one sync)."""
+    B, T = k.shape[:2]
+    if cu_seqlens is None:
+        return B, T
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N+1] of sequence offsets, got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} of shape "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != k.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but k on {k.device}; move it to k's device")
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs packed sequences along T with batch size 1, got B={B}; "
+                         "flatten the batch to [1, sum of lengths, ...]")
+    c = cu_seqlens.tolist()
+    if c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {c}")
+    return len(c) - 1, max(b - a for a, b in zip(c, c[1:]))
+
+
+def _check_gain_shapes(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, u0: Tensor, isotropic: bool,
+    cu_seqlens: Tensor | None,
+) -> tuple[int, int]:
+    """Check the gain inputs' shapes (the initial uncertainty is per sequence); returns :func:`_sequences`."""
     if k.dim() != 4:
         raise ValueError(f"k must be [B,T,H,K], got shape {tuple(k.shape)}")
     B, T, H, K = k.shape
     want = {"g": (g, (B, T, H, K)), "omega": (omega, (B, T, H) if isotropic else (B, T, H, K)), "r": (r, (B, T, H)),
-            "mu": (mu, (H,)), "initial uncertainty": (u0, (B, H) if isotropic else (B, H, K))}
+            "mu": (mu, (H,))}
     for name, (x, shape) in want.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} for k of shape {tuple(k.shape)}, got {tuple(x.shape)}")
+    N, L = _sequences(k, cu_seqlens)
+    shape = (N, H) if isotropic else (N, H, K)
+    if tuple(u0.shape) != shape:
+        raise ValueError(f"the initial uncertainty must have shape {shape} ({N} sequences), got {tuple(u0.shape)}")
+    return N, L
 
 
 class _DiagonalGain(torch.autograd.Function):
     """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward.
 
-    Each direction is two launches on a ``(B*H, NS)`` grid: the segments' compositions, then the segments.
+    Each direction is two launches on a ``(N*H, NS)`` grid: the segments' compositions, then the segments.
+    ``N`` sequences (the batch rows, or the packed sequences of ``cu_seqlens``), ``NS`` from the longest ``L``.
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
-        p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
+        p0: Tensor, out_dtype: torch.dtype, emit_ab: bool, cu_seqlens: Tensor | None, N: int, L: int,
     ) -> tuple[Tensor, ...]:
         B, T, H, K = k.shape
         k = k.contiguous()
         g, omega, r, mu, p0 = (x.float().contiguous() for x in (g, omega, r, mu, p0))
         BK, BT, warps = _diag_tiles(K)
-        SEGC, NS = _segments(B * H, T, BT)
+        SEGC, NS = _segments(N * H, L, BT)
         kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
         a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
-        seg = p0.new_empty(B * H, NS, 4, K)
-        carry = p0.new_empty(B, H, triton.cdiv(T, BT), K)
+        seg = p0.new_empty(N * H, NS, 4, K)
+        carry = p0.new_empty(N, H, triton.cdiv(L, BT), K)
         pT = torch.empty_like(p0)
-        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "num_warps": warps}
-        _diag_seg_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, seg, T, NS, SEGC, **tiles)
-        _diag_gain_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, p0, seg, kappa, a, b, carry, pT, T, NS, SEGC,
-                                           EMIT_AB=emit_ab, **tiles, **_diag_reg_cap(BT))
-        ctx.save_for_backward(k, g, omega, r, mu, carry)
-        ctx.emit_ab = emit_ab
+        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "IS_VARLEN": cu_seqlens is not None, "num_warps": warps}
+        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEGC, **tiles)
+        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, p0, seg, kappa, a, b, carry, pT, cu_seqlens, L, NS,
+                                           SEGC, EMIT_AB=emit_ab, **tiles, **_diag_reg_cap(BT))
+        ctx.save_for_backward(k, g, omega, r, mu, carry, cu_seqlens)
+        ctx.emit_ab, ctx.seqs = emit_ab, (N, L)
         return (kappa, a, b, pT) if emit_ab else (kappa, pT)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        k, g, omega, r, mu, carry = ctx.saved_tensors
-        B, T, H, K = k.shape
+        k, g, omega, r, mu, carry, cu_seqlens = ctx.saved_tensors
+        H, K = k.shape[2:]
+        N, L = ctx.seqs
         BK, BT, warps = _diag_tiles(K)
-        SEGC, NS = _segments(B * H, T, BT)
+        SEGC, NS = _segments(N * H, L, BT)
         dkappa, *rest, dpT = (x.contiguous() for x in grads)
         da, db = rest if ctx.emit_ab else (dkappa, dkappa)
         dk = torch.empty_like(k)
         dg, dw = torch.empty_like(g), torch.empty_like(omega)
         dr = torch.empty_like(r)
-        dp0 = torch.empty(B, H, K, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(B, H, NS, device=k.device, dtype=torch.float32)
-        seg = torch.empty(B * H, NS, 2, K, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(B * H * NS * 4 * BT * BK, device=k.device, dtype=torch.float32)
-        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "EMIT_AB": ctx.emit_ab, "num_warps": warps}
-        _diag_seg_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, carry, dkappa, db, seg, T, NS, SEGC, **tiles,
-                                          **_diag_reg_cap(BT))
-        _diag_gain_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, carry, seg, dkappa, da, db, dpT.float(), scratch,
-                                           dk, dg, dw, dr, dmu, dp0, T, NS, SEGC, **tiles)
-        return dk, dg, dw, dr, (dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None), dp0, None, None
+        dp0 = torch.empty(N, H, K, device=k.device, dtype=torch.float32)
+        dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
+        seg = torch.empty(N * H, NS, 2, K, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(N * H * NS * 4 * BT * BK, device=k.device, dtype=torch.float32)
+        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "EMIT_AB": ctx.emit_ab, "IS_VARLEN": cu_seqlens is not None,
+                 "num_warps": warps}
+        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, seg, cu_seqlens, L, NS, SEGC,
+                                          **tiles, **_diag_reg_cap(BT))
+        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, seg, dkappa, da, db, dpT.float(), scratch,
+                                           dk, dg, dw, dr, dmu, dp0, cu_seqlens, L, NS, SEGC, **tiles)
+        dmu = dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None
+        return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None
 
 
 class _IsotropicGain(torch.autograd.Function):
     """``(k, g, omega, r, mu, b0) -> (beta, b_T)``: the fused Isotropic gain, forward and backward.
 
-    Each direction is two launches on a ``(B*H, NS)`` grid: the segments' compositions, then the segments.
+    Each direction is two launches on a ``(N*H, NS)`` grid: the segments' compositions, then the segments
+    (``N``, ``NS`` as in :class:`_DiagonalGain`).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
-        b0: Tensor, out_dtype: torch.dtype,
+        b0: Tensor, out_dtype: torch.dtype, cu_seqlens: Tensor | None, N: int, L: int,
     ) -> tuple[Tensor, Tensor]:
         B, T, H, K = k.shape
         k = k.contiguous()
         g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
-        SEGC, NS = _segments(B * H, T, _ISO_BT)
+        SEGC, NS = _segments(N * H, L, _ISO_BT)
         beta = k.new_empty(B, T, H, dtype=out_dtype)
         abar, n = torch.empty_like(r), torch.empty_like(r)
-        seg = b0.new_empty(B * H, NS, 4)
-        carry = b0.new_empty(B, H, triton.cdiv(T, _ISO_BT))
+        seg = b0.new_empty(N * H, NS, 4)
+        carry = b0.new_empty(N, H, triton.cdiv(L, _ISO_BT))
         bT = torch.empty_like(b0)
-        _iso_seg_fwd_kernel[(B * H, NS)](k, g, omega, r, mu, abar, n, seg, T, NS, SEGC, H=H, K=K,
-                                         BK=triton.next_power_of_2(K), BT=_ISO_BT)
-        _iso_gain_fwd_kernel[(B * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, T, NS, SEGC, H=H, K=K,
-                                          BT=_ISO_BT)
-        ctx.save_for_backward(k, g, omega, r, mu, abar, n, carry)
+        tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
+        _iso_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, seg, cu_seqlens, L, NS, SEGC,
+                                         BK=triton.next_power_of_2(K), **tiles)
+        _iso_gain_fwd_kernel[(N * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, cu_seqlens, L, NS, SEGC,
+                                          **tiles)
+        ctx.save_for_backward(k, g, omega, r, mu, abar, n, carry, cu_seqlens)
+        ctx.seqs = (N, L)
         return beta, bT
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dbeta: Tensor, dbT: Tensor) -> tuple[Tensor | None, ...]:
-        k, g, omega, r, mu, abar, n, carry = ctx.saved_tensors
-        B, T, H, K = k.shape
-        SEGC, NS = _segments(B * H, T, _ISO_BT)
+        k, g, omega, r, mu, abar, n, carry, cu_seqlens = ctx.saved_tensors
+        H, K = k.shape[2:]
+        N, L = ctx.seqs
+        SEGC, NS = _segments(N * H, L, _ISO_BT)
         dbeta = dbeta.contiguous()
         dk, dg = torch.empty_like(k), torch.empty_like(g)
         dw, dr = torch.empty_like(omega), torch.empty_like(r)
-        db0 = torch.empty(B, H, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(B, H, NS, device=k.device, dtype=torch.float32)
-        seg = torch.empty(B * H, NS, 2, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(B * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
-        _iso_seg_bwd_kernel[(B * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, T, NS, SEGC, H=H, K=K, BT=_ISO_BT)
-        _iso_gain_bwd_kernel[(B * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
-                                          scratch, dk, dg, dw, dr, dmu, db0, T, NS, SEGC, H=H, K=K,
-                                          BK=triton.next_power_of_2(K), BT=_ISO_BT)
-        return dk, dg, dw, dr, (dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None), db0, None
+        db0 = torch.empty(N, H, device=k.device, dtype=torch.float32)
+        dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
+        seg = torch.empty(N * H, NS, 2, device=k.device, dtype=torch.float32)
+        scratch = torch.empty(N * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
+        tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
+        _iso_seg_bwd_kernel[(N * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, cu_seqlens, L, NS, SEGC, **tiles)
+        _iso_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
+                                          scratch, dk, dg, dw, dr, dmu, db0, cu_seqlens, L, NS, SEGC,
+                                          BK=triton.next_power_of_2(K), **tiles)
+        dmu = dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None
+        return dk, dg, dw, dr, dmu, db0, None, None, None, None
 
 
 def diagonal_gain(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
+    *, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [B,H,K]`` (FP32).
+    """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [N,H,K]`` (FP32).
 
-    ``k: [B,T,H,K]`` (any float dtype), ``g, omega: [B,T,H,K]``, ``r: [B,T,H]``, ``mu: [H]``, ``p0: [B,H,K]``;
-    gates, ``mu`` and ``p0`` are used in FP32. Differentiable in every tensor input (``mu`` included).
+    ``k: [B,T,H,K]`` (any float dtype), ``g, omega: [B,T,H,K]``, ``r: [B,T,H]``, ``mu: [H]``, ``p0: [N,H,K]``;
+    gates, ``mu`` and ``p0`` are used in FP32. ``N = B``, or with ``cu_seqlens [N+1]`` (int32/int64 offsets of
+    packed sequences along T, ``B = 1``) the number of sequences, each with its own ``p0`` and ``p_T``.
+    Differentiable in every tensor input (``mu`` included).
     """
-    _check_gain_shapes(k, g, omega, r, mu, p0, isotropic=False)
-    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False)
+    N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False, cu_seqlens, N, L)
 
 
 def diagonal_gain_dplr(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
+    *, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`diagonal_gain` plus fla's DPLR operands from the same kernel: ``(kappa, a = exp(g) k, b = -kappa,
     p_T)``, the first three ``[B,T,H,K]`` in ``out_dtype``."""
-    _check_gain_shapes(k, g, omega, r, mu, p0, isotropic=False)
-    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True)
+    N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True, cu_seqlens, N, L)
 
 
 def isotropic_gain(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor, out_dtype: torch.dtype = torch.float32
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor, out_dtype: torch.dtype = torch.float32,
+    *, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused Triton Isotropic gains: ``beta [B,T,H]`` in ``out_dtype`` and ``b_T [B,H]`` (FP32).
+    """Fused Triton Isotropic gains: ``beta [B,T,H]`` in ``out_dtype`` and ``b_T [N,H]`` (FP32).
 
-    ``k, g: [B,T,H,K]``, ``omega, r: [B,T,H]``, ``mu: [H]``, ``b0: [B,H]``. Differentiable in every tensor input.
+    ``k, g: [B,T,H,K]``, ``omega, r: [B,T,H]``, ``mu: [H]``, ``b0: [N,H]``; ``N`` and ``cu_seqlens`` as in
+    :func:`diagonal_gain`. Differentiable in every tensor input.
     """
-    _check_gain_shapes(k, g, omega, r, mu, b0, isotropic=True)
-    return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype)
+    N, L = _check_gain_shapes(k, g, omega, r, mu, b0, True, cu_seqlens)
+    return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype, cu_seqlens, N, L)
 
 
 # The Diagonal memory kernel: "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK; verified on an H200) or
@@ -774,29 +858,33 @@ class _AsymmetricMemory(torch.autograd.Function):
     ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``).
 
     ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
-    ``S0 [B,H,K,V]`` FP32 or ``None``. Returns ``o [B,T,H,V]`` and ``S_T`` (``None`` unless asked).
+    ``S0 [N,H,K,V]`` FP32 or ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
+    the number of sequences. Returns ``o [B,T,H,V]`` and ``S_T [N,H,K,V]`` (``None`` unless asked).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
-        S0: Tensor | None, scale: float, output_final_state: bool,
+        S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
         from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
         from fla.ops.utils.constant import RCP_LN2
 
+        C = ASYM_CHUNK
         q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
-        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=ASYM_CHUNK, scale=RCP_LN2)  # log2, per chunk
+        seqs = {"cu_seqlens": cu_seqlens,
+                "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
         beta = q.new_ones(q.shape[:3])
         w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
-            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=ASYM_CHUNK)
+            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, **seqs)
         h, v_new, S = chunk_gated_delta_rule_fwd_h(
-            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=ASYM_CHUNK)
-        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=ASYM_CHUNK)
-        ctx.save_for_backward(q, k, kappa, v, gc, beta, Aqk, Akk, S0)
+            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
+        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
+        ctx.save_for_backward(q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"])
         ctx.scale = scale
         return o.to(q.dtype), S
 
@@ -809,24 +897,25 @@ class _AsymmetricMemory(torch.autograd.Function):
         from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
         from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
 
-        q, k, kappa, v, gc, beta, Aqk, Akk, S0 = ctx.saved_tensors
+        q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices = ctx.saved_tensors
         scale, C = ctx.scale, ASYM_CHUNK
+        seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
         do = do.contiguous()
         # recompute the WY representation and the chunk states (as fla's KDA backward does)
         w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                         output_qg=True, output_kg=True)
+                                         output_qg=True, output_kg=True, **seqs)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
-                                                   output_final_state=False, chunk_size=C)
-        dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C)
+                                                   output_final_state=False, chunk_size=C, **seqs)
+        dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
         dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
-                                                     scale=scale, chunk_size=C)
+                                                     scale=scale, chunk_size=C, **seqs)
         dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_precond_kda_bwd_wy_dqkg(
             q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-            scale=scale, chunk_size=C)
+            scale=scale, chunk_size=C, **seqs)
         dq, dk, dkappa, _, dg = chunk_precond_kda_bwd_intra(
             q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
-            db=dbeta, dg=dg, chunk_size=C)  # dg is already the gradient of the raw g (reverse cumsum applied)
-        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None
+            db=dbeta, dg=dg, chunk_size=C, **seqs)  # dg is already the gradient of the raw g (reverse cumsum applied)
+        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None, None
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -836,24 +925,30 @@ def _mem_dtype(x: Tensor) -> torch.dtype:
 def diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
-    """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel.
+    """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel
+    (``DIAG_MEMORY = "dplr"``), or the gain + fla's asymmetric chunk-64 kernels (``"asym"``).
 
-    Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [B,H,K,V] or None
-    (zero memory), p0 [B,H,K])``; ``scale`` multiplies ``q``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)``
-    (``S_T`` is ``None`` unless ``output_final_state``).
+    Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None
+    (zero memory), p0 [N,H,K])``; ``scale`` multiplies ``q``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``,
+    ``"asym"`` only), else ``N = B``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None`` unless
+    ``output_final_state``).
     """
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
     S0, p0 = state
     dt = _mem_dtype(v)
-    if DIAG_MEMORY == "asym":
-        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt)
-        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
-                                       float(scale), output_final_state)
-        return o, (S, pT)
-    if DIAG_MEMORY != "dplr":
+    if DIAG_MEMORY not in ("dplr", "asym"):
         raise ValueError(f"kdn.triton_ops.DIAG_MEMORY must be 'dplr' or 'asym', got {DIAG_MEMORY!r}")
+    if DIAG_MEMORY == "asym":
+        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens)
+        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
+                                       float(scale), output_final_state, cu_seqlens)
+        return o, (S, pT)
+    if cu_seqlens is not None:
+        raise NotImplementedError("triton_ops.diagonal_kdn takes cu_seqlens only with DIAG_MEMORY = 'asym'; packed "
+                                  "sequences go through kdn.api's unpacking for the DPLR memory")
     kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt)
     o, S = chunk_dplr_delta_rule(
         q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=DPLR_CHUNK,
@@ -865,18 +960,21 @@ def diagonal_kdn(
 def isotropic_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Isotropic KDN on CUDA: the fused Triton gain + fla's ``chunk_kda`` with ``beta`` = the KDN gain.
 
-    Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 or None, b0 [B,H])``.
+    Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None,
+    b0 [N,H])``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``.
     """
     from fla.ops.kda import chunk_kda
 
     S0, b0 = state
     dt = _mem_dtype(v)
-    beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt)
+    beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens)
     o, S = chunk_kda(
         q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta, scale=scale,
         initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
     )
     return o, (S, bT)

@@ -1,0 +1,242 @@
+"""Packed sequences (``cu_seqlens``) in the CUDA backend, on the CPU through Triton's interpreter.
+
+Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.gain``) run on each
+sequence alone with its own initial uncertainty: values, final states and every gradient. Lengths
+(1, 37, 64, 0, 5, 90) with forced segments of one and two 32-token chunks make segments end inside a sequence,
+at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``triton_ops.diagonal_kdn``
+(``DIAG_MEMORY = "asym"``, fla's asymmetric chunk-64 kernels) and ``isotropic_kdn`` (fla's ``chunk_kda``) with
+``cu_seqlens`` against ``kdn``'s PyTorch backend in float64 (which unpacks into a padded batch), every gradient
+including the initial memory ``S0 [N,H,K,V]`` and the uncertainty state. Each runs in a fresh interpreter.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kdn_inputs import make_inputs, make_state, rel_err
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+NAMES = ("k", "g", "omega", "r", "mu", "u0")
+MEMORY_NAMES = ("q", "k", "v", "g", "omega", "r")
+
+
+def _offsets(lens: tuple[int, ...]) -> list[int]:
+    return [0, *itertools.accumulate(lens)]
+
+
+def _reference_gains(iso: bool, dplr: bool, l64: dict, cu: list[int]) -> tuple[torch.Tensor, ...]:
+    """float64 gains, each sequence alone with its own initial uncertainty (an empty one keeps it)."""
+    from kdn import gain as ref
+
+    fn = ref.isotropic_gain if iso else ref.diagonal_gain
+    gains, finals = [], []
+    for n, (a, b) in enumerate(itertools.pairwise(cu)):
+        u0 = l64["u0"][n:n + 1]
+        if a == b:
+            finals.append(u0)
+            continue
+        gain, final = fn(*(l64[x][:, a:b] for x in NAMES[:4]), l64["mu"], u0)
+        gains.append(gain)
+        finals.append(final)
+    gain = torch.cat(gains, 1)
+    if dplr:
+        return gain, l64["g"].exp() * l64["k"], -gain, torch.cat(finals, 0)
+    return gain, torch.cat(finals, 0)
+
+
+def gain_errors(iso: bool, dplr: bool, lens: tuple[int, ...], H: int, K: int, seg: int | None,
+                device: str = "cpu") -> tuple[int, dict[str, float]]:
+    """The fused gain with ``cu_seqlens`` (FP32) against :func:`_reference_gains`: the number of segments and
+    the relative errors of the outputs and of every input's gradient. ``seg``: forced tokens per segment."""
+    from kdn import triton_ops
+
+    triton_ops._SEG_OVERRIDE = seg
+    try:
+        cu = _offsets(lens)
+        N, T = len(lens), cu[-1]
+        bt = triton_ops._ISO_BT if iso else triton_ops._diag_tiles(K)[1]
+        ns = triton_ops._segments(N * H, max(lens), bt)[1]
+        x = make_inputs(1, T, H, K, K, isotropic=iso, seed=len(lens) + K, g_min=-3.0)
+        x["g"][:, 120:126] *= 4.0  # strong forgetting: g down to -12
+        u0 = make_state(N, H, K, K, isotropic=iso, seed=5)[1]
+        l64 = {n: x[n].to(device).requires_grad_() for n in NAMES[:4]}
+        l64 |= {"mu": torch.linspace(1.0, float(K), H, dtype=torch.float64, device=device).requires_grad_(),
+                "u0": u0.to(device).requires_grad_()}
+        l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
+        outs64 = _reference_gains(iso, dplr, l64, cu)
+        fn = triton_ops.isotropic_gain if iso else triton_ops.diagonal_gain_dplr if dplr else triton_ops.diagonal_gain
+        cu_t = torch.tensor(cu, dtype=torch.int32 if iso else torch.int64, device=device)
+        outs32 = fn(*(l32[n] for n in NAMES), cu_seqlens=cu_t)
+        gen = torch.Generator(device=device).manual_seed(0)
+        ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=device) for o in outs64]
+        sum((o * u).sum() for o, u in zip(outs64, ups)).backward()
+        sum((o.double() * u).sum() for o, u in zip(outs32, ups)).backward()
+    finally:
+        triton_ops._SEG_OVERRIDE = None
+    names = ("gain", "a", "b", "final") if dplr else ("gain", "final")
+    errs = {n: rel_err(o32, o64) for n, o32, o64 in zip(names, outs32, outs64)}
+    return ns, errs | {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
+
+
+def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool, H: int, K: int,
+                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """``triton_ops.diagonal_kdn`` (the current ``DIAG_MEMORY``) or ``isotropic_kdn`` with ``cu_seqlens``,
+    ``q, k, v`` in ``dtype``, against ``kdn``'s PyTorch backend in float64: relative errors of the output, the
+    final states and every gradient (``S0 [N,H,K,V]`` when ``with_S0``, else a zero memory)."""
+    import kdn
+    from kdn import triton_ops
+
+    cu = torch.tensor(_offsets(lens), device=device)
+    N, T = len(lens), int(cu[-1])
+    x = make_inputs(1, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
+    S0, u0 = make_state(N, H, K, K, isotropic=iso)
+    l64 = {n: x[n].to(device).requires_grad_() for n in MEMORY_NAMES} | {"u0": u0.to(device).requires_grad_()}
+    if with_S0:
+        l64["S0"] = S0.to(device).requires_grad_()
+    l32 = {n: t.detach().to(dtype if n in ("q", "k", "v") else torch.float32).requires_grad_() for n, t in l64.items()}
+    mu = torch.tensor([3.0, float(K)] * (H // 2), device=device)
+    fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
+    o64, (S64, e64) = fn(*(l64[n] for n in MEMORY_NAMES), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
+                         scale=0.37, output_final_state=True, cu_seqlens=cu, backend="torch")
+    tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
+    o32, (S32, e32) = tf(*(l32[n] for n in MEMORY_NAMES), mu, (l32.get("S0"), l32["u0"]), scale=0.37, cu_seqlens=cu)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64, device=device) for t in (o64, S64, e64)]
+    sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
+    sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
+    errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
+    return errs | {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
+
+
+GAINS = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from test_kdn_varlen_interpret import gain_errors
+LENS = (1, 37, 64, 0, 5, 90)
+cases = {  # name: (iso, dplr, lens, H, K, tokens per segment)
+    "diag_seg32": (False, False, LENS, 2, 16, 32),
+    "diag_dplr_seg64": (False, True, LENS, 2, 16, 64),
+    "diag_one_segment": (False, False, (33, 7, 20), 2, 12, None),
+    "iso_seg32": (True, False, LENS, 2, 16, 32),
+    "iso_seg64": (True, False, LENS, 2, 16, 64),
+}
+out, segments = {}, {}
+for name, args in cases.items():
+    segments[name], out[name] = gain_errors(*args)
+print(json.dumps({"errors": out, "segments": segments}))
+"""
+
+MEMORY = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
+from kdn import triton_ops
+from test_kdn_varlen_interpret import memory_errors
+triton_ops.DIAG_MEMORY = "asym"
+triton_ops._SEG_OVERRIDE = 32
+iso = sys.argv[1] == "iso"
+out = {f"lens{lens}_g{g_min:g}": memory_errors(iso, lens, g_min, with_S0, 2, 16)
+       for lens, g_min, with_S0 in (((1, 37, 64, 5, 90), -3.0, True), ((70, 9), -12.0, False))}
+print(json.dumps(out))
+"""
+
+
+def _run(script: str, *args: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_packed_gains_in_interpreter_match_reference_per_sequence() -> None:
+    report = _run(GAINS)
+    results = report["errors"]
+    assert len(results) == 5
+    for case, errs in results.items():
+        assert max(errs.values()) < 1e-5, (case, errs)
+    # the forced segments split the longest sequence (90 tokens: 3 chunks of 32); without them one segment
+    assert report["segments"] == {"diag_seg32": 3, "diag_dplr_seg64": 2, "diag_one_segment": 1, "iso_seg32": 3,
+                                  "iso_seg64": 2}
+
+
+@pytest.mark.parametrize("variant", ["diag_asym", "iso"])
+def test_packed_memory_in_interpreter_matches_reference(variant: str) -> None:
+    pytest.importorskip("fla")
+    errs = _run(MEMORY, variant)
+    assert len(errs) == 2
+    for case, e in errs.items():
+        assert max(e.values()) < 5e-5, (case, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("variant", ["diag", "diag_dplr", "iso"])
+def test_packed_gains_compiled_match_reference(variant: str, K: int) -> None:
+    """The compiled kernels (``BT = 16`` with the register cap at ``K = 128``) with the default segment rule:
+    several segments in the longest sequence, short and empty sequences beside it."""
+    ns, errs = gain_errors(variant == "iso", variant == "diag_dplr", (1, 3000, 0, 700, 64, 2, 1500), 8, K, None,
+                           device="cuda")
+    assert ns > 4
+    assert max(errs.values()) < 1e-4, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["diag_asym", "iso"])
+def test_packed_memory_compiled_matches_reference(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 ``q, k, v`` within fla's KDA tolerances (as ``tests/test_kdn_triton.py``)."""
+    from kdn import triton_ops
+
+    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
+    tol = {"o": 0.005, "S": 0.005, "uT": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dS0": 0.008}
+    for lens, g_min, with_S0 in (((1, 100, 63, 700, 64, 2), -2.0, True), ((2000, 5, 129), -8.0, False)):
+        errs = memory_errors(variant == "iso", lens, g_min, with_S0, 16, 64, device="cuda", dtype=torch.bfloat16)
+        bad = {n: e for n, e in errs.items() if not e <= tol.get(n, 0.02)}
+        assert not bad, (lens, bad, errs)
+
+
+def _gain_inputs(T: int, N: int, isotropic: bool) -> list[torch.Tensor]:
+    H, K = 2, 8
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1)
+    omega = torch.rand(1, T, H) if isotropic else torch.rand(1, T, H, K)
+    u0 = torch.rand(N, H) + 0.5 if isotropic else torch.rand(N, H, K) + 0.5
+    return [k, -torch.rand(1, T, H, K), omega + 0.1, torch.rand(1, T, H) + 0.5, torch.full((H,), 8.0), u0]
+
+
+@pytest.mark.parametrize("isotropic", [False, True], ids=["diagonal", "isotropic"])
+def test_packed_gain_inputs_are_checked(isotropic: bool) -> None:
+    from kdn import triton_ops
+
+    fn = triton_ops.isotropic_gain if isotropic else triton_ops.diagonal_gain
+    x = _gain_inputs(10, 2, isotropic)
+    with pytest.raises(ValueError, match="int32/int64"):
+        fn(*x, cu_seqlens=torch.tensor([0.0, 4.0, 10.0]))
+    with pytest.raises(ValueError, match="end at T=10"):
+        fn(*x, cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fn(*x, cu_seqlens=torch.tensor([0, 6, 4, 10]))
+    with pytest.raises(ValueError, match="3 sequences"):
+        fn(*x, cu_seqlens=torch.tensor([0, 4, 6, 10]))
+    batch = [torch.cat([t, t]) if i < 4 else t for i, t in enumerate(x)]
+    with pytest.raises(ValueError, match="batch size 1"):
+        fn(*batch, cu_seqlens=torch.tensor([0, 4, 10]))
+
+
+def test_dplr_memory_refuses_packed_sequences() -> None:
+    pytest.importorskip("fla")
+    from kdn import triton_ops
+
+    k, g, omega, r, mu, p0 = _gain_inputs(10, 2, False)
+    q, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    assert triton_ops.DIAG_MEMORY == "dplr"
+    with pytest.raises(NotImplementedError, match="kdn.api's unpacking for the DPLR memory"):
+        triton_ops.diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), cu_seqlens=torch.tensor([0, 4, 10]))
