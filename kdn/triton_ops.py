@@ -85,16 +85,22 @@ def _seg_chunks(s, SEGC, T, BT: tl.constexpr):
 
 
 @triton.jit
-def _sequence(cu_ptr, b, T, SEGC, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # sequence b: the row of its first token, its length and its last segment (0 for an empty sequence); packed
-    # sequences read cu_seqlens, batch rows have T tokens each
+def _sequence(cu_ptr, b, T, IS_VARLEN: tl.constexpr):
+    # sequence b: the row of its first token and its length; packed sequences read cu_seqlens, batch rows have
+    # T tokens each
     if IS_VARLEN:
         bos = tl.load(cu_ptr + b).to(tl.int64)
         Tn = tl.load(cu_ptr + b + 1).to(tl.int64) - bos
     else:
         bos = b * T
         Tn = T
-    return bos, Tn, tl.maximum(tl.cdiv(tl.cdiv(Tn, BT), SEGC), 1) - 1
+    return bos, Tn
+
+
+@triton.jit
+def _last_segment(T, SEGC, BT: tl.constexpr):
+    # the segment holding the last token of a sequence of T tokens (0 for an empty sequence)
+    return tl.maximum(tl.cdiv(tl.cdiv(T, BT), SEGC), 1) - 1
 
 
 @triton.jit
@@ -164,7 +170,7 @@ def _diag_seg_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
@@ -207,7 +213,8 @@ def _diag_gain_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
+    s_last = _last_segment(Tn, SEGC, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
@@ -247,7 +254,7 @@ def _diag_seg_bwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
@@ -280,7 +287,8 @@ def _diag_gain_bwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
+    s_last = _last_segment(Tn, SEGC, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
@@ -386,7 +394,7 @@ def _iso_seg_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
@@ -430,7 +438,8 @@ def _iso_gain_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
+    s_last = _last_segment(Tn, SEGC, BT)
     ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
     p = tl.load(b0_ptr + bh)
@@ -458,7 +467,7 @@ def _iso_seg_bwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, _ = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
     last = tl.arange(0, BT) == BT - 1
     mu = tl.load(mu_ptr + h)
     A, Bv = 1.0, 0.0
@@ -486,7 +495,8 @@ def _iso_gain_bwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
-    bos, Tn, s_last = _sequence(cu_ptr, b, T, SEGC, BT, IS_VARLEN)
+    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
+    s_last = _last_segment(Tn, SEGC, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     ar = tl.arange(0, BT)
