@@ -136,7 +136,9 @@ def _run(
         run = fn
     if cu_seqlens is None:
         o, final = run(*args, mu_t, state)
-    else:
+    elif backend == "triton" and (isotropic or triton_ops.DIAG_MEMORY == "asym"):  # the kernels take the offsets
+        o, final = run(*args, mu_t, state, cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long))
+    else:  # the PyTorch path and fla's DPLR memory run packed sequences as a padded batch
         o, final = _varlen(run, args, mu_t, state, cu_seqlens)
     return o.to(v.dtype), (final if output_final_state else None)
 

@@ -1,8 +1,9 @@
 """The CUDA backend's fla-based paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
 In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal memory through fla's
-asymmetric chunk-64 kernels (``DIAG_MEMORY = "asym"``) and the Isotropic one through ``chunk_kda``, with our
-gain kernels, every gradient; and fla's fused front end (conv, L2 norm, KDA gate, gated norm) against the
+asymmetric chunk-64 kernels (``DIAG_MEMORY = "asym"``, with an initial memory) and the Isotropic one through
+``chunk_kda`` (zero memory, strong forgetting), with our gain kernels, every gradient (packed sequences:
+``tests/test_kdn_varlen_interpret.py``); and fla's fused front end (conv, L2 norm, KDA gate, gated norm) against the
 PyTorch front end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter.
 (fla's DPLR kernels do not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
 """
@@ -31,28 +32,27 @@ from kdn_inputs import make_inputs, make_state, rel_err
 triton_ops.DIAG_MEMORY = "asym"
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
-for iso in (False, True):
-    for T, g_min, with_S0 in ((77, -3.0, True), (65, -12.0, False)):
-        B, H, K = 2, 2, 16
-        x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
-        S0, u0 = make_state(B, H, K, K, isotropic=iso)
-        l64 = {n: x[n].clone().requires_grad_() for n in names} | {"u0": u0.requires_grad_()}
-        if with_S0:
-            l64["S0"] = S0.requires_grad_()
-        l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
-        mu = torch.tensor([3.0, 16.0])
-        fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
-        o64, (S64, e64) = fn(*(l64[n] for n in names), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
-                             scale=0.37, output_final_state=True, backend="torch")
-        tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
-        o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37)
-        gen = torch.Generator().manual_seed(0)
-        ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o64, S64, e64)]
-        sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
-        sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
-        errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
-        errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
-        out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
+for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (True, 65, -12.0, False)):
+    B, H, K = 2, 2, 16
+    x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
+    S0, u0 = make_state(B, H, K, K, isotropic=iso)
+    l64 = {n: x[n].clone().requires_grad_() for n in names} | {"u0": u0.requires_grad_()}
+    if with_S0:
+        l64["S0"] = S0.requires_grad_()
+    l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
+    mu = torch.tensor([3.0, 16.0])
+    fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
+    o64, (S64, e64) = fn(*(l64[n] for n in names), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
+                         scale=0.37, output_final_state=True, backend="torch")
+    tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
+    o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37)
+    gen = torch.Generator().manual_seed(0)
+    ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o64, S64, e64)]
+    sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
+    sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
+    errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
+    errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
+    out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
 print(json.dumps(out))
 """
 
