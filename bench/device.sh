@@ -46,7 +46,7 @@ for stage in "$@"; do
     kernels)
       # shellcheck disable=SC2086
       run_stage kernels env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu \
-        -k "${KDN_K:-not nothing}" ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_mixers_gpu.py}
+        -k "${KDN_K:-not nothing}" ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
     throughput)
       # shellcheck disable=SC2086
