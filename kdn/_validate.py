@@ -62,8 +62,10 @@ def check_values(
             raise ValueError(f"{name} must be > 0, got min {x.min().item():.4g}")
 
 
-def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int) -> None:
-    """``cu_seqlens`` must be int, 1-D, start at 0, be non-decreasing and end at ``total`` (B = 1)."""
+def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int) -> list[int]:
+    """``cu_seqlens`` must be int, 1-D, start at 0, be non-decreasing and end at ``total`` (B = 1).
+
+    Returns the offsets as a list (read on the host once)."""
     if batch != 1:
         raise ValueError(f"cu_seqlens requires batch size 1 (packed sequences), got B={batch}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
@@ -73,3 +75,4 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int) -> None:
         raise ValueError(
             f"cu_seqlens must start at 0, be non-decreasing and end at T={total}, got {c}"
         )
+    return c

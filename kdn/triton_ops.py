@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kdn._validate import check_cu_seqlens
+
 State = tuple[Tensor, Tensor]
 
 
@@ -679,12 +681,7 @@ def _sequences(k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int]:
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
     if cu_seqlens.device != k.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but k on {k.device}; move it to k's device")
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs packed sequences along T with batch size 1, got B={B}; "
-                         "flatten the batch to [1, sum of lengths, ...]")
-    c = cu_seqlens.tolist()
-    if c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {c}")
+    c = check_cu_seqlens(cu_seqlens, T, B)
     return len(c) - 1, max(b - a for a, b in zip(c, c[1:]))
 
 

@@ -9,17 +9,11 @@ PyTorch front end in whole layers (padded, packed, prefill + decoding). Each run
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 pytest.importorskip("fla")
-ROOT = Path(__file__).resolve().parents[1]
+triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
 
 MEMORY = r"""
 import json, sys, torch
@@ -98,10 +92,6 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("script", [MEMORY, FRONT_END], ids=["memory", "front_end"])
 def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = triton_interpret.run_interpreted(script)
     for case, e in errs.items():
         assert max(e.values()) < 5e-5, (case, e)

@@ -10,16 +10,10 @@ parallel path: 3 segments of one or two chunks with a partial last one; other ca
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
 
 SCRIPT = r"""
 import json, sys, torch
@@ -97,11 +91,7 @@ print(json.dumps({"errors": out, "segments": segments}))
 
 
 def test_triton_kernels_in_interpreter_match_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = triton_interpret.run_interpreted(SCRIPT, timeout=300)
     results = report["errors"]
     assert len(results) == 9
     for variant, (tol, errs) in results.items():

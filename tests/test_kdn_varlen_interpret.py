@@ -11,7 +11,6 @@ including the initial memory ``S0 [N,H,K,V]`` and the uncertainty state. Each ru
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import torch
 from kdn_inputs import make_inputs, make_state, rel_err
 
 pytest.importorskip("triton")
+triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
 ROOT = Path(__file__).resolve().parents[1]
 
 NAMES = ("k", "g", "omega", "r", "mu", "u0")
@@ -197,16 +197,8 @@ print(n)
 """
 
 
-def _run(script: str, *args: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_packed_gains_in_interpreter_match_reference_per_sequence() -> None:
-    report = _run(GAINS)
+    report = triton_interpret.run_interpreted(GAINS)
     results = report["errors"]
     assert len(results) == 5
     for case, errs in results.items():
@@ -219,7 +211,7 @@ def test_packed_gains_in_interpreter_match_reference_per_sequence() -> None:
 @pytest.mark.parametrize("variant", ["diag_asym", "iso"])
 def test_packed_memory_in_interpreter_matches_reference(variant: str) -> None:
     pytest.importorskip("fla")
-    errs = _run(MEMORY, variant)
+    errs = triton_interpret.run_interpreted(MEMORY, variant)
     assert len(errs) == 2
     for case, e in errs.items():
         assert max(e.values()) < 5e-5, (case, e)

@@ -7,17 +7,11 @@ own layer with the mapped weights. DeltaNet is left to the GPU test (``tests/tes
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 pytest.importorskip("fla")
-ROOT = Path(__file__).resolve().parents[1]
+triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
 
 SCRIPT = r"""
 import json, sys, torch
@@ -59,11 +53,7 @@ print(json.dumps(out))
 
 
 def test_delta_mixers_fla_paths_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = triton_interpret.run_interpreted(SCRIPT)
     assert set(errs) == {"gdn", "kda", "gdn2"}
     for name, e in errs.items():
         assert max(e.values()) < 1e-4, (name, e)

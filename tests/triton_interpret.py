@@ -1,6 +1,7 @@
 """Run fla's Triton kernels on the CPU through Triton's interpreter: a test harness for the CUDA backend.
 
-Import it in a process started with ``TRITON_INTERPRET=1`` and call :func:`enable` before running kernels.
+Import it in a process started with ``TRITON_INTERPRET=1`` and call :func:`enable` before running kernels;
+:func:`run_interpreted` starts such a process from a test.
 Two gaps of the interpreter are bridged: autotuners cannot benchmark (the first config is taken), and loop
 indices of ``range`` are plain ints inside interpreted kernels while fla calls ``.to()`` on them (fla's
 modules get a ``range`` that yields int32 scalars while a kernel runs).
@@ -9,15 +10,30 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import triton.language as tl
 import triton.runtime.autotuner as autotuner
 import triton.runtime.interpreter as interpreter
 
+ROOT = Path(__file__).resolve().parents[1]
 _in_kernel = [0]
+
+
+def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
+    """Run ``script`` (``python -c``, with ``args``) in a fresh interpreter with ``TRITON_INTERPRET=1`` at the
+    repository root; it must print a JSON object as its last line, which is returned."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _scalar(i: int) -> tl.core.tensor:
