@@ -7,13 +7,14 @@ d_model 2048, 16 heads x 128, batch 4, bf16; medians over ``--repeats`` timed ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,20 +102,36 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
-    """One row. Diagonal KDN variants: ``kdn_diag@c64`` runs fla's DPLR kernels at chunk 64 (16, 32, 64),
-    ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels (``kdn.triton_ops.DIAG_MEMORY``)."""
-    if "@" in name:
-        from kdn import triton_ops
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[str]:
+    """Run the mixer ``name`` and yield its base name. Diagonal KDN variants: ``kdn_diag@c64`` runs fla's DPLR
+    kernels at chunk 64 (16, 32, 64), ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels
+    (``kdn.triton_ops.DIAG_MEMORY``); the module setting is restored afterwards."""
+    if "@" not in name:
+        yield name
+        return
+    from kdn import triton_ops
 
-        base, variant = name.split("@")
-        setting = ("DIAG_MEMORY", "asym") if variant == "asym" else ("DPLR_CHUNK", int(variant.removeprefix("c")))
-        default = getattr(triton_ops, setting[0])
-        setattr(triton_ops, *setting)
-        try:
+    base, tag = name.split("@")
+    if tag == "asym":
+        setting = ("DIAG_MEMORY", "asym")
+    elif tag.startswith("c") and tag[1:].isdigit():
+        setting = ("DPLR_CHUNK", int(tag[1:]))
+    else:
+        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, c16, c32, c64")
+    default = getattr(triton_ops, setting[0])
+    setattr(triton_ops, *setting)
+    try:
+        yield base
+    finally:
+        setattr(triton_ops, setting[0], default)
+
+
+def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
+    """One row (``name`` may carry a :func:`variant` tag)."""
+    if "@" in name:
+        with variant(name) as base:
             return {**measure(base, B, T, d, H, K, repeats), "mixer": name}
-        finally:
-            setattr(triton_ops, setting[0], default)
     layer = build_layer(name, d, H, K)
     n_params = sum(p.numel() for p in layer.parameters())
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
