@@ -4,9 +4,11 @@
 # Stages (each under its own time limit, <STAGE>_S or STAGE_S seconds, default 240, so that later stages and the
 # autotune tarball still run when one stage is slow):
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
-#                  accuracy rows -> $OUT/accuracy.jsonl
+#                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
+#                  (several kernels stages per call; each one's limit is KERNELS_S)
 #   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K)
-#   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda)
+#   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
+#                  PROFILE_ARGS, e.g. --ops for the operators behind them)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
 # The device image lacks fla: carry its wheels in .whl/ (`pip download --no-deps flash-linear-attention==0.6.0
@@ -43,10 +45,13 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
 }
 for stage in "$@"; do
   case "$stage" in
-    kernels)
+    kernels|kernels=*)
+      expr=${stage#kernels}
+      expr=${expr#=}
       # shellcheck disable=SC2086
-      run_stage kernels env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu \
-        -k "${KDN_K:-not nothing}" ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
+      run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q \
+        -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
+        ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
     throughput)
       # shellcheck disable=SC2086
@@ -55,7 +60,8 @@ for stage in "$@"; do
       ;;
     profile)
       for m in ${PROFILE_MIXERS:-kdn_iso kdn_diag kda}; do
-        run_stage "profile $m" python3 -m bench.profile_layer --mixer "$m" --T 8192 --rows 25
+        # shellcheck disable=SC2086
+        run_stage "profile $m" python3 -m bench.profile_layer --mixer "$m" --T 8192 --rows 25 ${PROFILE_ARGS:-}
       done
       ;;
     train100m)

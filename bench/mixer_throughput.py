@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -104,27 +105,41 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[str]:
-    """Run the mixer ``name`` and yield its base name. Diagonal KDN variants: ``kdn_diag@c64`` runs fla's DPLR
-    kernels at chunk 64 (16, 32, 64), ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels
-    (``kdn.triton_ops.DIAG_MEMORY``); the module setting is restored afterwards."""
+    """Run the mixer ``name`` and yield its base name. Diagonal KDN memory variants (``kdn.triton_ops``):
+    ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels, ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16,
+    ``kdn_diag@c64`` at chunk 64 (16, 32, 64); the module settings are restored afterwards."""
     if "@" not in name:
         yield name
         return
     from kdn import triton_ops
 
     base, tag = name.split("@")
-    if tag == "asym":
-        setting = ("DIAG_MEMORY", "asym")
+    if tag in ("asym", "dplr"):
+        settings = {"DIAG_MEMORY": tag}
     elif tag.startswith("c") and tag[1:].isdigit():
-        setting = ("DPLR_CHUNK", int(tag[1:]))
+        settings = {"DIAG_MEMORY": "dplr", "DPLR_CHUNK": int(tag[1:])}
     else:
-        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, c16, c32, c64")
-    default = getattr(triton_ops, setting[0])
-    setattr(triton_ops, *setting)
+        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32, c64")
+    defaults = {n: getattr(triton_ops, n) for n in settings}
+    for n, v in settings.items():
+        setattr(triton_ops, n, v)
     try:
         yield base
     finally:
-        setattr(triton_ops, setting[0], default)
+        for n, v in defaults.items():
+            setattr(triton_ops, n, v)
+
+
+def host_ms(fn: Callable[[], None], repeats: int = 3) -> float:
+    """Mean host (CPU) time in ms to enqueue one call of ``fn``, from an idle GPU. When it approaches the
+    device time, launches (Python, autograd, Triton's launcher) rather than kernels bound the layer."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / repeats * 1e3
 
 
 def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
@@ -148,11 +163,13 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> 
     ms_fb = time_ms(fwdbwd, repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30
     ms_f = time_ms(fwd, repeats)
+    ms_host = host_ms(fwdbwd)
     kf = kernel_fn(name, B, T, H, K)
     ms_kernel = time_ms(kf, repeats) if kf is not None else None
     linear_flops = 6 * n_params * B * T  # projections, fwd+bwd
     row = {
         "mixer": name, "T": T, "ms_fwdbwd": ms_fb, "ms_fwd": ms_f, "ms_kernel_fwdbwd": ms_kernel,
+        "ms_host_fwdbwd": ms_host,
         "tokens_per_s": B * T / (ms_fb / 1e3), "peak_mem_gb": peak, "params": n_params,
         "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
     }
@@ -224,20 +241,21 @@ def main() -> None:
     write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
-    print(f"\n{'mixer':<12}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
+    print(f"\n{'mixer':<14}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'host ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
           f"{'x KDA':>7}{'peak GB':>9}{'kern TF/s':>11}{'kern GB/s':>11}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mixer']:<12}{r['T']:>7}  {r['error'][:70]}")
+            print(f"{r['mixer']:<14}{r['T']:>7}  {r['error'][:70]}")
             continue
         kern = f"{r['ms_kernel_fwdbwd']:.2f}" if r["ms_kernel_fwdbwd"] is not None else "-"
         ratio = r["tokens_per_s"] / ref[r["T"]] if r["T"] in ref else math.nan
         tf = f"{r['kernel_tflops']:.1f}" if "kernel_tflops" in r else "-"
         gb = f"{r['kernel_gbps']:.0f}" if "kernel_gbps" in r else "-"
-        print(f"{r['mixer']:<12}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{kern:>11}"
+        print(f"{r['mixer']:<14}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{r['ms_host_fwdbwd']:>9.2f}{kern:>11}"
               f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}{tf:>11}{gb:>11}")
     print(f"ceilings: {roofline.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 dense, {roofline.H200_HBM_TBPS} TB/s HBM "
-          "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time)")
+          "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time); "
+          "host ms: CPU time to enqueue one fwd+bwd")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kdn import chunk as _chunk
@@ -27,18 +28,18 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _mu_tensor(mu: float | Tensor | None, H: int, K: int, like: Tensor) -> Tensor:
-    """``mu`` as an ``[H]`` tensor in ``like``'s dtype; default ``K``."""
+def _mu_tensor(mu: float | Tensor | None, H: int, K: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``mu`` as an ``[H]`` tensor of ``dtype`` (on ``device`` unless given as a tensor); default ``K``."""
     if mu is None:
         mu = float(K)
     if isinstance(mu, Tensor):
         if mu.dim() == 0:
             mu = mu.expand(H)
         check_shape("mu", mu, (H,), "H")
-        return mu.to(like.dtype)
+        return mu.to(dtype)
     if not isinstance(mu, (int, float)):
         raise ValueError(f"mu must be a positive float or an [H] tensor, got {type(mu).__name__}")
-    return torch.full((H,), float(mu), dtype=like.dtype, device=like.device)
+    return torch.full((H,), float(mu), dtype=dtype, device=device)
 
 
 def _check_inputs(
@@ -84,11 +85,17 @@ def _triton_available() -> bool:
     return True
 
 
+def _diag_memory() -> str:
+    from kdn import triton_ops
+
+    return triton_ops.DIAG_MEMORY
+
+
 def _run(
     kind: str,
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
-    cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float,
+    cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float, omega_softplus: bool,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
@@ -97,7 +104,7 @@ def _run(
         check_cu_seqlens(cu_seqlens, T, B)
         n_seq = cu_seqlens.numel() - 1
     dt = _compute_dtype(v)
-    mu_t = _mu_tensor(mu, H, K, q.to(dt))
+    mu_t = _mu_tensor(mu, H, K, dt, q.device)
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise ValueError("initial_state must be a pair (S [N,H,K,V], p [N,H,K] or b [N,H])")
@@ -116,9 +123,15 @@ def _run(
         values = {"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t, "initial_state[1] (p/b)": p0}
         if S0 is not None:
             values["initial_state[0] (S)"] = S0
-        check_values(values, nonpositive=("g",), nonnegative=("omega",),
+        check_values(values, nonpositive=("g",), nonnegative=() if omega_softplus else ("omega",),
                      positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
+    # the Diagonal Triton gain applies omega's softplus itself (packed sequences too, unless they are unpacked
+    # for the DPLR memory); every other route gets omega
+    fused_softplus = omega_softplus and backend == "triton" and not isotropic and (
+        cu_seqlens is None or _diag_memory() == "asym")
+    if omega_softplus and not fused_softplus:
+        omega = F.softplus(omega.to(torch.float64 if dt == torch.float64 else torch.float32))
     if backend == "triton":
         from kdn import triton_ops
 
@@ -129,14 +142,15 @@ def _run(
         # a zero initial memory travels as None: the memory kernels then skip reading it
         args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
-        run = partial(fn, scale=float(scale), output_final_state=output_final_state)
+        run = partial(fn, scale=float(scale), output_final_state=output_final_state,
+                      **({"omega_softplus": True} if fused_softplus else {}))
     else:
         S0 = q.new_zeros(n_seq, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
         args, state = [x.to(dt) for x in (q * scale if scale != 1.0 else q, k, v, g, omega, r)], (S0, p0.to(dt))
         run = fn
     if cu_seqlens is None:
         o, final = run(*args, mu_t, state)
-    elif backend == "triton" and (isotropic or triton_ops.DIAG_MEMORY == "asym"):  # the kernels take the offsets
+    elif backend == "triton" and (isotropic or _diag_memory() == "asym"):  # the kernels take the offsets
         o, final = run(*args, mu_t, state, cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long))
     else:  # the PyTorch path and fla's DPLR memory run packed sequences as a padded batch
         o, final = _varlen(run, args, mu_t, state, cu_seqlens)
@@ -179,6 +193,7 @@ def diagonal_kdn(
     backend: str | None = None,
     validate: bool = True,
     scale: float = 1.0,
+    omega_softplus: bool = False,
 ) -> tuple[Tensor, State | None]:
     """Diagonal KDN (SPEC §3).
 
@@ -186,12 +201,14 @@ def diagonal_kdn(
     (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``; ``S=None``
     means a zero memory); ``cu_seqlens``: ``[N+1]`` offsets of packed sequences (``B = 1``);
     ``scale``: multiplies ``q`` (the kernels fold it in; the layers pass ``K^-0.5``).
+    ``omega_softplus``: ``omega`` is given before its softplus (any real values; the Diagonal CUDA kernels apply
+    it in FP32 and save a pass over ``[B,T,H,K]`` each way; other routes apply it first).
     ``validate=False`` skips the value checks (NaN/Inf and ranges; shapes are always checked), which cost
     one host sync: for callers whose inputs are valid by construction, such as the layers.
     Returns ``o [B,T,H,V]`` and, if asked, the final ``(S, p)``.
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale)
+                validate, scale, omega_softplus)
 
 
 def isotropic_kdn(
@@ -203,10 +220,11 @@ def isotropic_kdn(
     backend: str | None = None,
     validate: bool = True,
     scale: float = 1.0,
+    omega_softplus: bool = False,
 ) -> tuple[Tensor, State | None]:
     """Isotropic KDN (SPEC §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale)
+                validate, scale, omega_softplus)
 
 
 def _gain_common(
@@ -223,7 +241,7 @@ def _gain_common(
         check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
     check_shape("r", r, (B, T, H), "B,T,H")
     dt = _compute_dtype(k)
-    mu_t = _mu_tensor(mu, H, K, k.to(dt))
+    mu_t = _mu_tensor(mu, H, K, dt, k.device)
     if initial_state is None:
         p0 = k.new_ones((B, H) if isotropic else (B, H, K), dtype=dt)
     else:
@@ -270,7 +288,7 @@ def _step(
     check_shape("state[0] (S)", S, (B, H, K, v.shape[-1]), "B,H,K,V")
     check_shape("state[1]", p, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
     dt = _compute_dtype(v)
-    mu_t = _mu_tensor(mu, H, K, q.to(dt))
+    mu_t = _mu_tensor(mu, H, K, dt, q.device)
     if validate and not torch.compiler.is_compiling():
         check_values({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t},
                      nonpositive=("g",), nonnegative=("omega",), positive=("r", "mu"))

@@ -66,13 +66,16 @@ class _KalmanDelta(nn.Module):
         return {"1": 1.0, "sqrt": math.sqrt(K), "dk": float(K), "4dk": 4.0 * K}.get(
             self.mu_choice, self.mu_choice)  # type: ignore[arg-type]
 
-    def noise_terms(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32."""
+    def noise_terms(self, x: Tensor, omega_logits: bool = False) -> tuple[Tensor, Tensor]:
+        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32. With
+        ``omega_logits`` and a learned ``omega``, its value before the softplus, in the projection's dtype."""
         B, T = x.shape[:2]
         H, K = self.num_heads, self.head_dim
         shape = (B, T, H) if self.isotropic else (B, T, H, K)
         if self.noise == "fixed_r_omega":
             omega = upcast(x.new_ones(shape))
+        elif omega_logits:
+            omega = self.omega_proj(x).view(shape)
         else:
             omega = F.softplus(upcast(self.omega_proj(x))).view(shape)
         if self.noise == "learned":
@@ -102,29 +105,32 @@ class _KalmanDelta(nn.Module):
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)
         g = self.front.log_retention(x)
-        omega, r = self.noise_terms(x)
+        logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
+        omega, r = self.noise_terms(x, omega_logits=logits)
         if mask is not None:  # padded tokens are identity steps: no write, no decay, no noise
             m = mask[..., None, None]
             k = k * m
             g = g * m
-            omega = omega * (mask[..., None] if self.isotropic else m)
+            om = mask[..., None] if self.isotropic else m
+            omega = omega.masked_fill(~om, float("-inf")) if logits else omega * om
         scale = self.head_dim ** -0.5
         n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
         # a fresh sequence starts from a zero memory (None: the kernels skip it) and the learned prior
         state = last["recurrent"] if last is not None else (None, self.initial_uncertainty(n_seq))
         if T == 1 and last is not None and cu_seqlens is None:  # decoding: one recurrent step
             step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
-            o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], omega[:, 0], r[:, 0], state,
+            w = F.softplus(upcast(omega[:, 0])) if logits else omega[:, 0]
+            o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0], state,
                             mu=self.mu(), validate=False)
             o = o[:, None]
         else:
             fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
             o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
-                          validate=False)  # valid by construction: g <= 0, omega >= 0, r >= 0.01
+                          validate=False, omega_softplus=logits)  # valid by construction: g <= 0, r >= 0.01
         beta_eff = None
         if output_beta_eff:
-            beta_eff = self.beta_eff(k, g, omega, r, state[1])
+            beta_eff = self.beta_eff(k, g, F.softplus(upcast(omega)) if logits else omega, r, state[1])
         if use_cache:
             if past_key_values is None:
                 past_key_values = RecurrentCache()

@@ -1,28 +1,31 @@
 """The CUDA backend of KDN: fused Triton gain kernels plus fla's chunk memory kernels (SPEC §3, §4, §6).
 
-Gain (ours, Triton): a program holds the whole key axis of one (batch, head) and walks the sequence in chunks
-of ``BT`` tokens. Per channel, the predicted variances ``p^_t`` follow a Möbius recurrence; inside a chunk the
-2x2 matrices are composed with ``tl.associative_scan`` (renormalised by their max-abs entry, FP32) and applied
-to the carry ``p_{t0-1}``. Pairing each prediction with the *previous* token's update,
-``N_t = [[a_t + w_t u_{t-1}, w_t], [u_{t-1}, 1]]``, makes the scan emit ``p^_t`` directly. The same program
-forms ``u = mu k^2 / r``, the row sums ``s = r + sum_K p^ k^2`` and the gain, so it reads ``k, g`` once per
-chunk and writes the gain once (plus, for Diagonal, fla's DPLR operands ``a = exp(g) k`` and ``b = -kappa``).
+Diagonal gain (ours, Triton): the channels' variances follow independent Möbius recurrences; only the gain's row
+sum ``s_t = r_t + sum_K p^_t k_t^2`` couples them. A program is one warp holding the whole key axis of one
+(sequence, head, segment) and walks its tokens one by one, each step a few FP32 operations per channel and one
+warp reduction, the next token's row loaded ahead. Sequence parallelism: three launches. The first composes each
+segment's posterior maps ``M_t = [[a, w], [u a, 1 + u w]]`` (``a = exp(2g)``, ``u = mu k^2 / r``) into one
+2x2 matrix per channel, renormalised by its largest entry after every token; the second walks the segments of
+each sequence applying them to ``p0`` (the entering carries and ``p_T``); the third replays each segment from its
+carry and writes ``kappa = p^ k / s`` (plus fla's DPLR operands ``a = exp(g) k``, ``b = -kappa`` on request).
+Segments: :func:`gain_segments` (about 4096 programs, at least 64 tokens each).
 
-Sequence parallelism: the grid is ``(B*H, NS)``, ``NS`` segments of ``SEGC`` chunks each (:func:`_segments`).
-A first launch composes each segment's posterior maps ``M_t = [[a, w], [u a, 1 + u w]]`` into one renormalised
-matrix per channel; the second gets each segment's entering carry by applying the earlier segments' matrices
-to ``p0`` in order, then runs the chunks of its segment. Isotropic's first launch also stores the per-token
-``abar = mean_K exp(2g)`` and ``||k||^2``, so its second reads no ``[B,T,H,K]`` tensor.
-
-Backward: only the carries ``p_{t0-1}`` (one row per chunk) are kept. The adjoint
+Diagonal backward: the forward keeps only the segments' carries. The adjoint
 ``lambda_{t-1} = a_t (e_t + lambda_t / (1 + u_t p^_t)^2)`` (SPEC §6, ``e`` the direct gradient of ``p^``) is
-affine in ``lambda``: a first launch recomputes each segment and composes its steps into one ``(A, B)`` per
-channel; the second applies the later segments' maps to ``lambda_T`` to get the segment's own, then runs its
-chunks, latest first. Each chunk recomputes ``p^`` and ``p`` in time order, passes them through a per-program
-scratch buffer to read them back in reversed time order (``tl.associative_scan(reverse=True)`` is avoided:
-triton-lang/triton#4362), and runs the adjoint as a forward scan over reversed rows. Each element maps
-``lambda_t -> (lambda_{t-1}, lambda_t)``, so every row gets its own ``lambda_t`` without a shifted read.
-Gradients reduced over time (``mu``) are per-program partials summed in torch.
+affine in ``lambda``. The first launch replays each segment, stores every token's ``p_t`` in a transient FP32
+buffer and composes the segment's adjoint steps into one ``(P, Q)`` per channel; the second walks the segments
+backwards from ``dp_T`` (each segment's ``lambda`` at its last token, and ``dp0``); the third walks each
+segment's tokens latest first, reading ``p_{t-1}`` back, and writes every gradient. Gradients reduced over
+time (``mu``) are per-program partials summed in torch.
+
+Isotropic gain: a program holds one (sequence, head) segment and walks it in chunks of ``BT`` tokens; inside a
+chunk the scalar Möbius matrices are composed with ``tl.associative_scan`` (renormalised, FP32), pairing each
+prediction with the previous token's update, ``N_t = [[a_t + w_t u_{t-1}, w_t], [u_{t-1}, 1]]``, so the scan
+emits ``b^_t`` directly. Its first launch composes the segments and stores the per-token
+``abar = mean_K exp(2g)`` and ``||k||^2``; the second applies the earlier segments' maps to ``b0`` and runs the
+segment's chunks. Its backward keeps one carry per chunk; each chunk recomputes ``b^`` in time order, passes it
+through a per-program scratch buffer to read it back reversed (``tl.associative_scan(reverse=True)`` is avoided:
+triton-lang/triton#4362), and runs the affine adjoint as a forward scan over the reversed rows.
 
 Packed sequences: with ``cu_seqlens [N+1]`` (``B = 1``) the grid is ``(N*H, NS)``, ``NS`` from the longest
 sequence; a program reads its sequence's first row and length from ``cu_seqlens`` (``IS_VARLEN``), segments
@@ -74,12 +77,6 @@ def _affine_combine(aP, aQ, bP, bQ):
 
 
 @triton.jit
-def _last_row(x, BT: tl.constexpr):
-    # row BT-1 of a [BT, BK] tile; rows past T are identities, so this is the whole chunk's composition
-    return tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
 def _seg_chunks(s, SEGC, T, BT: tl.constexpr):
     # the chunks [c0, c1) of segment s of a sequence of T tokens (empty past its end)
     c0 = s * SEGC
@@ -106,96 +103,94 @@ def _last_segment(T, SEGC, BT: tl.constexpr):
 
 
 @triton.jit
-def _diag_chunk(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, T,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-):
-    # tokens t0 .. t0+BT-1 of the sequence starting at row bos (T tokens long) in time order from the carry
-    # p = p_{t0-1} [BK]; rows past T are identities
-    ar = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    rows = t0 + ar
-    mt = rows < T
-    tok = (bos + rows) * H + h
-    m = mt[:, None] & mk[None, :]
-    idx = tok[:, None] * K + offs_k[None, :]
-    kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
-    w = tl.load(w_ptr + idx, mask=m, other=0.0)
-    r = tl.load(r_ptr + tok, mask=mt, other=1.0)
-    mp = (rows > t0) & mt  # the previous token's update, inside this chunk (the carry holds the rest)
-    kp = tl.load(k_ptr + idx - H * K, mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    rp = tl.load(r_ptr + tok - H, mask=mp, other=1.0)
-    u = mu / r[:, None] * kf * kf
-    up = mu / rp[:, None] * kp * kp
-    a = alpha * alpha
-    P11, P12, P21, P22 = tl.associative_scan(
-        (a + w * up, w, up, tl.full([BT, BK], 1.0, tl.float32)), 0, _mobius_combine
-    )
-    ph = (P11 * p[None, :] + P12) / (P21 * p[None, :] + P22)
-    post = ph / (1.0 + u * ph)
-    last = tl.minimum(T - t0, BT) - 1
-    p_next = tl.sum(tl.where((ar == last)[:, None], post, 0.0), axis=0)
-    return ph, post, p_next, kf, alpha, r, idx, m
+def _chan(offs_k, K: tl.constexpr, ok):
+    # the channel mask of a row read only when ok (a comparison: the interpreter rejects a vector & a scalar mask)
+    return offs_k < tl.where(ok, K, 0)
 
 
 @triton.jit
-def _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu):
-    # per row of a [BT, BK] tile (any row order): the adjoint step lambda_{t-1} = A lambda_t + B with
-    # A = a cc, B = a e, where e is the direct gradient of p^ and cc = dp/dp^
-    a = alpha * alpha
-    k2 = kf * kf
-    u = mu / r[:, None] * k2
-    s = r + tl.sum(ph * k2, axis=1)
-    gam = tl.sum(dkap * ph * kf, axis=1) / s  # sum_K dkappa kappa
-    e = (dkap * kf - gam[:, None] * k2) / s[:, None]
-    d = 1.0 + u * ph
-    return a, k2, u, s, gam, e, 1.0 / (d * d)
+def _softplus(x):
+    # log(1 + exp(x)) in FP32: no overflow, and a series for log1p where exp(-|x|) is small
+    e = tl.exp(-tl.abs(x))
+    return tl.maximum(x, 0.0) + tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (1.0 / 3.0 - 0.25 * e))),
+                                         tl.log(1.0 + e))
 
 
 @triton.jit
-def _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB: tl.constexpr):
+def _softplus_grad(w):
+    # d softplus(x) / dx = sigmoid(x) = 1 - exp(-w) from w = softplus(x); a series where w is small
+    return tl.where(w < 1e-2, w * (1.0 - w * (0.5 - w * (1.0 / 6.0 - w / 24.0))), 1.0 - tl.exp(-w))
+
+
+@triton.jit
+def _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, row, h, offs_k, ok, H: tl.constexpr, K: tl.constexpr,
+              OMEGA_SOFTPLUS: tl.constexpr):
+    # token `row` (of the [B*T] or packed token axis) of head h: k (FP32), g, omega over the channels (the softplus
+    # of what w_ptr holds when OMEGA_SOFTPLUS) and r; a row not to be read (ok False) gives the identity step
+    # k = g = omega = 0, r = 1
+    base = (row * H + h) * K + offs_k
+    m = _chan(offs_k, K, ok)
+    kf = tl.load(k_ptr + base, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + base, mask=m, other=0.0)
+    w = tl.load(w_ptr + base, mask=m, other=0.0).to(tl.float32)
+    if OMEGA_SOFTPLUS:
+        w = tl.where(m, _softplus(w), 0.0)
+    r = tl.load(r_ptr + row * H + h, mask=ok, other=1.0)
+    return kf, g, w, r
+
+
+@triton.jit
+def _diag_dkappa(dkappa_ptr, db_ptr, row, h, offs_k, ok, H: tl.constexpr, K: tl.constexpr, EMIT_AB: tl.constexpr):
+    # the gradient reaching kappa at token `row` (0 unless ok): dkappa, minus db when b = -kappa was emitted too
+    idx = (row * H + h) * K + offs_k
+    m = _chan(offs_k, K, ok)
     dkap = tl.load(dkappa_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    if EMIT_AB:  # b = -kappa
+    if EMIT_AB:
         dkap = dkap - tl.load(db_ptr + idx, mask=m, other=0.0).to(tl.float32)
     return dkap
 
 
 @triton.jit
+def _diag_span(s, SEG, Tn):
+    # tokens [t0, t1) of segment s of a sequence of Tn tokens (empty past its end)
+    t0 = s * SEG
+    return t0, tl.minimum(t0 + SEG, Tn)
+
+
+@triton.jit
 def _diag_seg_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, seg_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr,
 ):
     # one (sequence*head, segment): the product of the segment's posterior maps M_t = [[a, w], [u a, 1 + u w]]
-    # per channel, renormalised -> seg [N*H, NS, 4, K] (identities past the sequence's end)
+    # per channel, renormalised by its largest entry (all entries are >= 0) -> seg [N*H, NS, 4, K]
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
     bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
-    ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
+    t0, t1 = _diag_span(s, SEG, Tn)
     m11 = tl.full([BK], 1.0, tl.float32)
     m12 = tl.zeros([BK], tl.float32)
     m21 = tl.zeros([BK], tl.float32)
     m22 = tl.full([BK], 1.0, tl.float32)
-    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
-    for c in range(c0, c1):
-        rows = c * BT + ar
-        mt = rows < Tn
-        tok = (bos + rows) * H + h
-        m = mt[:, None] & mk[None, :]
-        idx = tok[:, None] * K + offs_k[None, :]
-        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
-        w = tl.load(w_ptr + idx, mask=m, other=0.0)
-        u = mu / tl.load(r_ptr + tok, mask=mt, other=1.0)[:, None] * kf * kf
-        a = alpha * alpha
-        P11, P12, P21, P22 = tl.associative_scan((a, w, u * a, 1.0 + u * w), 0, _mobius_combine)
-        m11, m12, m21, m22 = _mobius_combine(m11, m12, m21, m22, _last_row(P11, BT), _last_row(P12, BT),
-                                             _last_row(P21, BT), _last_row(P22, BT))
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+    for t in range(t0, t1):
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+        a = tl.exp(2.0 * g)
+        u = mu / r * kf * kf
+        n11 = a * m11 + w * m21
+        n12 = a * m12 + w * m22
+        n21 = u * n11 + m21
+        n22 = u * n12 + m22
+        sc = 1.0 / tl.maximum(tl.maximum(tl.maximum(n11, n12), tl.maximum(n21, n22)), 1e-30)
+        m11, m12, m21, m22 = n11 * sc, n12 * sc, n21 * sc, n22 * sc
+        kf, g, w, r = kn, gn, wn, rn
     base = seg_ptr + (bh * NS + s) * 4 * K + offs_k
     tl.store(base, m11, mask=mk)
     tl.store(base + K, m12, mask=mk)
@@ -204,55 +199,72 @@ def _diag_seg_fwd_kernel(
 
 
 @triton.jit
-def _diag_gain_fwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, p0_ptr, seg_ptr, kappa_ptr, a_ptr, b_ptr, carry_ptr, pT_ptr, cu_ptr,
-    T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+def _diag_carry_fwd_kernel(
+    seg_ptr, p0_ptr, carry_ptr, pT_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # one (sequence*head, segment): the earlier segments' maps give the entering carry, then the segment's chunks;
-    # T is the longest sequence's length (the carry's layout), segments past a sequence's end do nothing
+    # one sequence*head: each segment's entering carry p_{t0-1} (the earlier segments' maps applied to p0 in
+    # order) -> carry [N*H, NS, K], and the final p_T (p0 for an empty sequence)
+    bh = tl.program_id(0).to(tl.int64)
+    _, Tn = _sequence(cu_ptr, bh // H, T, IS_VARLEN)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    p = tl.load(p0_ptr + bh * K + offs_k, mask=mk, other=1.0)
+    for j in range(tl.cdiv(Tn, SEG)):
+        base = (bh * NS + j) * 4 * K + offs_k
+        tl.store(carry_ptr + (bh * NS + j) * K + offs_k, p, mask=mk)
+        m11 = tl.load(seg_ptr + base, mask=mk, other=1.0)
+        m12 = tl.load(seg_ptr + base + K, mask=mk, other=0.0)
+        m21 = tl.load(seg_ptr + base + 2 * K, mask=mk, other=0.0)
+        m22 = tl.load(seg_ptr + base + 3 * K, mask=mk, other=1.0)
+        p = (m11 * p + m12) / (m21 * p + m22)
+    tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
+
+
+@triton.jit
+def _diag_gain_fwd_kernel(
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, kappa_ptr, a_ptr, b_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr,
+):
+    # one (sequence*head, segment): from the entering carry, token by token: p^ = a p + w, the gain
+    # kappa = p^ k / (r + sum_K p^ k^2), p = p^ / (1 + u p^); kappa (and DPLR's a = exp(g) k, b = -kappa) out
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
     bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    s_last = _last_segment(Tn, SEGC, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
-    p = tl.load(p0_ptr + bh * K + offs_k, mask=mk, other=1.0)
-    for j in range(tl.where(s <= s_last, s, 0)):
-        base = seg_ptr + (bh * NS + j) * 4 * K + offs_k
-        m11 = tl.load(base, mask=mk, other=1.0)
-        m12 = tl.load(base + K, mask=mk, other=0.0)
-        m21 = tl.load(base + 2 * K, mask=mk, other=0.0)
-        m22 = tl.load(base + 3 * K, mask=mk, other=1.0)
-        p = (m11 * p + m12) / (m21 * p + m22)
-    NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
-    for c in range(c0, c1):
-        tl.store(carry_ptr + (bh * NT + c) * K + offs_k, p, mask=mk)
-        ph, post, p, kf, alpha, r, idx, m = _diag_chunk(
-            k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, c * BT, Tn, H, K, BK, BT
-        )
-        s_row = r + tl.sum(ph * kf * kf, axis=1)
-        kappa = ph * kf / s_row[:, None]
-        tl.store(kappa_ptr + idx, kappa.to(kappa_ptr.dtype.element_ty), mask=m)
+    t0, t1 = _diag_span(s, SEG, Tn)
+    p = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, t0 < t1), other=1.0)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+    for t in range(t0, t1):
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+        ph = tl.exp(2.0 * g) * p + w
+        k2 = kf * kf
+        p = ph / (1.0 + mu / r * k2 * ph)
+        kappa = ph * kf / (r + tl.sum(ph * k2, axis=0))
+        idx = ((bos + t) * H + h) * K + offs_k
+        tl.store(kappa_ptr + idx, kappa.to(kappa_ptr.dtype.element_ty), mask=mk)
         if EMIT_AB:
-            tl.store(a_ptr + idx, (alpha * kf).to(a_ptr.dtype.element_ty), mask=m)
-            tl.store(b_ptr + idx, (-kappa).to(b_ptr.dtype.element_ty), mask=m)
-    if s == s_last:
-        tl.store(pT_ptr + bh * K + offs_k, p, mask=mk)
+            tl.store(a_ptr + idx, (tl.exp(g) * kf).to(a_ptr.dtype.element_ty), mask=mk)
+            tl.store(b_ptr + idx, (-kappa).to(b_ptr.dtype.element_ty), mask=mk)
+        kf, g, w, r = kn, gn, wn, rn
 
 
 @triton.jit
 def _diag_seg_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, db_ptr, seg_ptr, cu_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, dkappa_ptr, db_ptr, post_ptr, seg_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr,
 ):
-    # one (sequence*head, segment): the composition of the segment's adjoint steps, lambda at its last token ->
-    # lambda before its first, per channel -> seg [N*H, NS, 2, K] (A, B)
+    # one (sequence*head, segment): replays the segment from its carry, stores each token's posterior p_t in post
+    # [B,T,H,K] (read back in reversed time by the last launch), and composes the adjoint steps
+    # lambda_{t-1} = A_t lambda_t + B_t over the segment into lambda_{t0-1} = P lambda_{t1-1} + Q
+    # -> seg [N*H, NS, 2, K]
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -260,96 +272,116 @@ def _diag_seg_bwd_kernel(
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
     mu = tl.load(mu_ptr + h)
-    A = tl.full([BK], 1.0, tl.float32)
-    Bv = tl.zeros([BK], tl.float32)
-    NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
-    for c in range(c0, c1):
-        p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
-        ph, _, _, kf, alpha, r, idx, m = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, c * BT, Tn,
-                                                     H, K, BK, BT)
-        dkap = _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB)
-        a, _, _, _, _, e, cc = _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu)
-        P, Q = tl.associative_scan((a * cc, a * e), 0, _affine_combine)
-        A, Bv = _affine_combine(A, Bv, _last_row(P, BT), _last_row(Q, BT))
+    t0, t1 = _diag_span(s, SEG, Tn)
+    p = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, t0 < t1), other=1.0)
+    P = tl.full([BK], 1.0, tl.float32)
+    Q = tl.zeros([BK], tl.float32)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+    dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + t0, h, offs_k, t0 < t1, H, K, EMIT_AB)
+    for t in range(t0, t1):
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
+                                    H, K, OMEGA_SOFTPLUS)
+        dkn = _diag_dkappa(dkappa_ptr, db_ptr, bos + t + 1, h, offs_k, t + 1 < t1, H, K, EMIT_AB)
+        a = tl.exp(2.0 * g)
+        ph = a * p + w
+        k2 = kf * kf
+        d = 1.0 + mu / r * k2 * ph
+        p = ph / d
+        tl.store(post_ptr + ((bos + t) * H + h) * K + offs_k, p, mask=mk)
+        srow = r + tl.sum(ph * k2, axis=0)
+        c = tl.sum(dkap * ph * kf, axis=0) / srow  # sum_K dkappa kappa
+        Q += P * a * (dkap * kf - c * k2) / srow
+        P = P * a / (d * d)
+        kf, g, w, r, dkap = kn, gn, wn, rn, dkn
     base = seg_ptr + (bh * NS + s) * 2 * K + offs_k
-    tl.store(base, A, mask=mk)
-    tl.store(base + K, Bv, mask=mk)
+    tl.store(base, P, mask=mk)
+    tl.store(base + K, Q, mask=mk)
+
+
+@triton.jit
+def _diag_carry_bwd_kernel(
+    seg_ptr, dpT_ptr, lam_ptr, dp0_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # one sequence*head: lambda at each segment's last token (the later segments' adjoint maps applied to dp_T,
+    # latest first) -> lam [N*H, NS, K], and dp0 = lambda before the first token
+    bh = tl.program_id(0).to(tl.int64)
+    _, Tn = _sequence(cu_ptr, bh // H, T, IS_VARLEN)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    lam = tl.load(dpT_ptr + bh * K + offs_k, mask=mk, other=0.0)
+    n = tl.cdiv(Tn, SEG)
+    for j in range(n):
+        s = n - 1 - j
+        tl.store(lam_ptr + (bh * NS + s) * K + offs_k, lam, mask=mk)
+        base = seg_ptr + (bh * NS + s) * 2 * K + offs_k
+        lam = tl.load(base, mask=mk, other=1.0) * lam + tl.load(base + K, mask=mk, other=0.0)
+    tl.store(dp0_ptr + bh * K + offs_k, lam, mask=mk)
 
 
 @triton.jit
 def _diag_gain_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, seg_ptr, dkappa_ptr, da_ptr, db_ptr, dpT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dp0_ptr, cu_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EMIT_AB: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, post_ptr, lam_ptr, dkappa_ptr, da_ptr, db_ptr,
+    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, cu_ptr, T, NS, SEG,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr,
 ):
-    # one (sequence*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
-    # then its chunks, latest first
+    # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
+    # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
     bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    s_last = _last_segment(Tn, SEGC, BT)
     offs_k = tl.arange(0, BK)
     mk = offs_k < K
-    ar = tl.arange(0, BT)
     mu = tl.load(mu_ptr + h)
-    lam = tl.load(dpT_ptr + bh * K + offs_k, mask=mk, other=0.0)  # lambda at the chunk's last token
-    for j in range(s_last - s):
-        base = seg_ptr + (bh * NS + s_last - j) * 2 * K + offs_k
-        lam = tl.load(base, mask=mk, other=1.0) * lam + tl.load(base + K, mask=mk, other=0.0)
+    t0, t1 = _diag_span(s, SEG, Tn)
+    ok = t0 < t1
+    lam = tl.load(lam_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=0.0)
+    p_in = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=1.0)
     dmu = tl.zeros([BK], tl.float32)
-    sc = scratch_ptr + (bh * NS + s) * (4 * BT * BK)  # two buffers of (p^, p), [BT, BK] each, alternating
-    fwd_tile = ar[:, None] * BK + offs_k[None, :]
-    rev_tile = (BT - 1 - ar)[:, None] * BK + offs_k[None, :]
-    one = tl.full([BT, BK], 1.0, tl.float32)
-    zero = tl.zeros([BT, BK], tl.float32)
-    first = (ar == BT - 1)[:, None]  # in reversed order the chunk's first token is the last row
-    NT = tl.cdiv(T, BT)
-    c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
-    for j in range(c1 - c0):
-        c = c1 - 1 - j
-        t0 = c * BT
-        p = tl.load(carry_ptr + (bh * NT + c) * K + offs_k, mask=mk, other=1.0)
-        ph_f, post_f, _, _, _, _, _, _ = _diag_chunk(k_ptr, g_ptr, w_ptr, r_ptr, mu, p, bos, h, t0, Tn, H, K, BK, BT)
-        buf = sc + (j % 2) * (2 * BT * BK)
-        tl.store(buf + fwd_tile, ph_f)
-        tl.store(buf + BT * BK + fwd_tile, post_f)
-        tl.debug_barrier()
-        # reversed order: row i holds token t0 + BT - 1 - i
-        rows = t0 + BT - 1 - ar
-        mt = rows < Tn
-        tok = (bos + rows) * H + h
-        m = mt[:, None] & mk[None, :]
-        idx = tok[:, None] * K + offs_k[None, :]
-        ph = tl.load(buf + rev_tile, volatile=True)
-        p_prev = tl.load(buf + BT * BK + rev_tile - BK, mask=(ar < BT - 1)[:, None] & mk[None, :], other=1.0,
-                         volatile=True)
-        p_prev = tl.where(first, p[None, :], p_prev)
-        kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        alpha = tl.exp(tl.load(g_ptr + idx, mask=m, other=0.0))
-        r = tl.load(r_ptr + tok, mask=mt, other=1.0)
-        dkap = _load_dkappa(dkappa_ptr, db_ptr, idx, m, EMIT_AB)
-        a, k2, u, s_row, gam, e, cc = _diag_adjoint_rows(ph, kf, alpha, r, dkap, mu)
-        P, Q, R, S = tl.associative_scan((a * cc, a * e, one, zero), 0, _adjoint_combine)
-        lam_t = R * lam[None, :] + S
-        dph = e + cc * lam_t
-        du = -lam_t * ph * ph * cc
-        dk = (dkap * ph - 2.0 * gam[:, None] * ph * kf) / s_row[:, None] + 2.0 * mu / r[:, None] * du * kf
+    last = t1 - 1
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + last, h, offs_k, ok,
+                                    H, K, OMEGA_SOFTPLUS)
+    dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + last, h, offs_k, ok, H, K, EMIT_AB)
+    pp = tl.load(post_ptr + ((bos + last - 1) * H + h) * K + offs_k, mask=_chan(offs_k, K, last > t0), other=1.0)
+    for j in range(t1 - t0):
+        t = t1 - 1 - j
+        nok = t - 1 >= t0
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t - 1, h, offs_k, nok,
+                                    H, K, OMEGA_SOFTPLUS)
+        dkn = _diag_dkappa(dkappa_ptr, db_ptr, bos + t - 1, h, offs_k, nok, H, K, EMIT_AB)
+        ppn = tl.load(post_ptr + ((bos + t - 2) * H + h) * K + offs_k, mask=_chan(offs_k, K, t - 2 >= t0), other=1.0)
+        p_prev = tl.where(t > t0, pp, p_in)
+        a = tl.exp(2.0 * g)
+        ph = a * p_prev + w
+        k2 = kf * kf
+        u = mu / r * k2
+        d = 1.0 + u * ph
+        cc = 1.0 / (d * d)
+        srow = r + tl.sum(ph * k2, axis=0)
+        c = tl.sum(dkap * ph * kf, axis=0) / srow
+        dph = (dkap * kf - c * k2) / srow + cc * lam
+        du = -lam * ph * ph * cc
+        dk = (dkap * ph - 2.0 * c * ph * kf) / srow + 2.0 * mu / r * du * kf
         dg = 2.0 * a * p_prev * dph
+        idx = ((bos + t) * H + h) * K + offs_k
         if EMIT_AB:
-            da = tl.load(da_ptr + idx, mask=m, other=0.0).to(tl.float32)
-            dk += da * alpha
-            dg += da * alpha * kf
-        tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=m)
-        tl.store(dg_ptr + idx, dg, mask=m)
-        tl.store(dw_ptr + idx, dph, mask=m)
-        tl.store(dr_ptr + tok, -gam / s_row - tl.sum(du * u, axis=1) / r, mask=mt)
-        dmu += tl.sum(du * k2 / r[:, None], axis=0)
-        lam = tl.sum(tl.where(first, P * lam[None, :] + Q, 0.0), axis=0)  # lambda_{t0-1}
-    if s == 0:
-        tl.store(dp0_ptr + bh * K + offs_k, lam, mask=mk)
+            da = tl.load(da_ptr + idx, mask=mk, other=0.0).to(tl.float32) * tl.exp(g)
+            dk += da
+            dg += da * kf
+        tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+        tl.store(dg_ptr + idx, dg, mask=mk)
+        if OMEGA_SOFTPLUS:
+            dw = dph * _softplus_grad(w)
+        else:
+            dw = dph
+        tl.store(dw_ptr + idx, dw.to(dw_ptr.dtype.element_ty), mask=mk)
+        tl.store(dr_ptr + (bos + t) * H + h, -c / srow - tl.sum(du * u, axis=0) / r)
+        dmu += du * k2 / r
+        lam = a * dph
+        kf, g, w, r, dkap, pp = kn, gn, wn, rn, dkn, ppn
     tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
 
 
@@ -635,36 +667,39 @@ def fused_recurrent(
     return o, (S, unc_out)
 
 
-def _diag_tiles(K: int) -> tuple[int, int, int]:
-    """``(BK, BT, num_warps)`` of the Diagonal gain kernels: a ``[BT, BK]`` FP32 tile per live value."""
-    BK = triton.next_power_of_2(K)
-    return (BK, 32, 4) if BK <= 64 else (BK, 16, 8)
-
-
-def _diag_reg_cap(BT: int) -> dict[str, int]:
-    """Launch options of the Diagonal forward and segment-backward kernels. With ``BT = 16`` (8 warps) ptxas
-    picks 141-145 registers a thread uncapped and fits 128 without spilling: two programs per SM instead of one."""
-    return {"maxnreg": 128} if BT == 16 else {}
-
-
 _ISO_BT = 32
-# Sequence parallelism: about this many programs per gain launch (about 4 per SM on a 132-SM H200), segments of
-# at least _MIN_SEG_CHUNKS chunks (each program first applies every earlier segment's map, one K-vector each).
+# Sequence parallelism (Isotropic): about this many programs per gain launch, segments of at least
+# _MIN_SEG_CHUNKS chunks (each program first applies every earlier segment's map).
 _TARGET_PROGRAMS = 512
 _MIN_SEG_CHUNKS = 8
+# Diagonal: one warp per (sequence*head, segment), about this many of them (32 a 132-SM H200 can hold at once
+# each), segments of at least _DIAG_MIN_SEG tokens (the carry launches walk the segments one by one).
+_DIAG_PROGRAMS = 4096
+_DIAG_MIN_SEG = 64
+_DIAG_WARPS = 1
 _SEG_OVERRIDE: int | None = None  # tokens per segment (a multiple of the chunk) instead of the rule above: tests
 
 
-def _segments(BH: int, T: int, BT: int) -> tuple[int, int]:
-    """``(SEGC, NS)``: chunks of ``BT`` tokens per segment and the number of segments, for ``B*H = BH``."""
+def _segments(BH: int, T: int, BT: int, programs: int = _TARGET_PROGRAMS,
+              min_chunks: int = _MIN_SEG_CHUNKS) -> tuple[int, int]:
+    """``(SEGC, NS)``: chunks of ``BT`` tokens per segment and the number of segments, for ``B*H = BH``:
+    about ``programs`` programs, at least ``min_chunks`` chunks a segment."""
     NT = triton.cdiv(T, BT)
     if _SEG_OVERRIDE is None:
-        segc = max(_MIN_SEG_CHUNKS, triton.cdiv(NT, triton.cdiv(_TARGET_PROGRAMS, BH)))
+        segc = max(min_chunks, triton.cdiv(NT, triton.cdiv(programs, BH)))
     elif _SEG_OVERRIDE > 0 and _SEG_OVERRIDE % BT == 0:
         segc = _SEG_OVERRIDE // BT
     else:
         raise ValueError(f"_SEG_OVERRIDE must be a positive multiple of the chunk size {BT}, got {_SEG_OVERRIDE}")
     return segc, triton.cdiv(NT, segc)
+
+
+def gain_segments(isotropic: bool, BH: int, T: int) -> tuple[int, int]:
+    """``(tokens per segment, segments)`` of the gain kernels for ``BH`` sequence-heads of ``T`` tokens."""
+    if isotropic:
+        segc, ns = _segments(BH, T, _ISO_BT)
+        return segc * _ISO_BT, ns
+    return _segments(BH, T, 1, _DIAG_PROGRAMS, _DIAG_MIN_SEG)
 
 
 def _sequences(k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int]:
@@ -708,31 +743,37 @@ def _check_gain_shapes(
 class _DiagonalGain(torch.autograd.Function):
     """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward.
 
-    Each direction is two launches on a ``(N*H, NS)`` grid: the segments' compositions, then the segments.
-    ``N`` sequences (the batch rows, or the packed sequences of ``cu_seqlens``), ``NS`` from the longest ``L``.
+    Each direction is three launches: the segments' compositions on a ``(N*H, NS)`` grid, the walk over the
+    segments (``N*H`` programs), then the segments again. ``N`` sequences (the batch rows, or the packed
+    sequences of ``cu_seqlens``), ``NS`` from the longest ``L``. The forward keeps the segments' entering carries;
+    the backward holds every token's ``p`` in a transient FP32 ``[B,T,H,K]`` buffer.
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
         p0: Tensor, out_dtype: torch.dtype, emit_ab: bool, cu_seqlens: Tensor | None, N: int, L: int,
+        omega_softplus: bool,
     ) -> tuple[Tensor, ...]:
         B, T, H, K = k.shape
         k = k.contiguous()
-        g, omega, r, mu, p0 = (x.float().contiguous() for x in (g, omega, r, mu, p0))
-        BK, BT, warps = _diag_tiles(K)
-        SEGC, NS = _segments(N * H, L, BT)
+        omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
+        g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
+        SEG, NS = gain_segments(False, N * H, L)
         kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
         a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
         seg = p0.new_empty(N * H, NS, 4, K)
-        carry = p0.new_empty(N, H, triton.cdiv(L, BT), K)
+        carry = p0.new_empty(N * H, NS, K)
         pT = torch.empty_like(p0)
-        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "IS_VARLEN": cu_seqlens is not None, "num_warps": warps}
-        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEGC, **tiles)
-        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, p0, seg, kappa, a, b, carry, pT, cu_seqlens, L, NS,
-                                           SEGC, EMIT_AB=emit_ab, **tiles, **_diag_reg_cap(BT))
+        tiles = {"H": H, "K": K, "BK": triton.next_power_of_2(K), "IS_VARLEN": cu_seqlens is not None,
+                 "num_warps": _DIAG_WARPS}
+        act = {"OMEGA_SOFTPLUS": omega_softplus}
+        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
+        _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
+        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
+                                           EMIT_AB=emit_ab, **tiles, **act)
         ctx.save_for_backward(k, g, omega, r, mu, carry, cu_seqlens)
-        ctx.emit_ab, ctx.seqs = emit_ab, (N, L)
+        ctx.emit_ab, ctx.seqs, ctx.omega_softplus = emit_ab, (N, L), omega_softplus
         return (kappa, a, b, pT) if emit_ab else (kappa, pT)
 
     @staticmethod
@@ -740,25 +781,27 @@ class _DiagonalGain(torch.autograd.Function):
         k, g, omega, r, mu, carry, cu_seqlens = ctx.saved_tensors
         H, K = k.shape[2:]
         N, L = ctx.seqs
-        BK, BT, warps = _diag_tiles(K)
-        SEGC, NS = _segments(N * H, L, BT)
+        SEG, NS = gain_segments(False, N * H, L)
         dkappa, *rest, dpT = (x.contiguous() for x in grads)
         da, db = rest if ctx.emit_ab else (dkappa, dkappa)
+        post = torch.empty_like(g)
+        seg = carry.new_empty(N * H, NS, 2, K)
+        lam = torch.empty_like(carry)
         dk = torch.empty_like(k)
-        dg, dw = torch.empty_like(g), torch.empty_like(omega)
+        dg, dw = torch.empty_like(g), torch.empty_like(omega)  # dw: of omega's input when omega_softplus
         dr = torch.empty_like(r)
-        dp0 = torch.empty(N, H, K, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
-        seg = torch.empty(N * H, NS, 2, K, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(N * H * NS * 4 * BT * BK, device=k.device, dtype=torch.float32)
-        tiles = {"H": H, "K": K, "BK": BK, "BT": BT, "EMIT_AB": ctx.emit_ab, "IS_VARLEN": cu_seqlens is not None,
-                 "num_warps": warps}
-        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, seg, cu_seqlens, L, NS, SEGC,
-                                          **tiles, **_diag_reg_cap(BT))
-        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, seg, dkappa, da, db, dpT.float(), scratch,
-                                           dk, dg, dw, dr, dmu, dp0, cu_seqlens, L, NS, SEGC, **tiles)
+        dp0 = carry.new_empty(N, H, K)
+        dmu = carry.new_empty(N, H, NS)
+        tiles = {"H": H, "K": K, "BK": triton.next_power_of_2(K), "IS_VARLEN": cu_seqlens is not None,
+                 "num_warps": _DIAG_WARPS}
+        act = {"EMIT_AB": ctx.emit_ab, "OMEGA_SOFTPLUS": ctx.omega_softplus}
+        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
+                                          SEG, **tiles, **act)
+        _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
+        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, post, lam, dkappa, da, db, dk, dg, dw, dr,
+                                           dmu, cu_seqlens, L, NS, SEG, **tiles, **act)
         dmu = dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None
-        return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None
+        return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None, None
 
 
 class _IsotropicGain(torch.autograd.Function):
@@ -815,27 +858,28 @@ class _IsotropicGain(torch.autograd.Function):
 
 def diagonal_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
-    *, cu_seqlens: Tensor | None = None,
+    *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [N,H,K]`` (FP32).
 
     ``k: [B,T,H,K]`` (any float dtype), ``g, omega: [B,T,H,K]``, ``r: [B,T,H]``, ``mu: [H]``, ``p0: [N,H,K]``;
     gates, ``mu`` and ``p0`` are used in FP32. ``N = B``, or with ``cu_seqlens [N+1]`` (int32/int64 offsets of
     packed sequences along T, ``B = 1``) the number of sequences, each with its own ``p0`` and ``p_T``.
-    Differentiable in every tensor input (``mu`` included).
+    ``omega_softplus``: ``omega`` holds the process noise before its softplus (any float dtype), applied in the
+    kernels (FP32), which saves a pass over ``[B,T,H,K]`` each way. Differentiable in every tensor input.
     """
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
-    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False, cu_seqlens, N, L)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False, cu_seqlens, N, L, omega_softplus)
 
 
 def diagonal_gain_dplr(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
-    *, cu_seqlens: Tensor | None = None,
+    *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`diagonal_gain` plus fla's DPLR operands from the same kernel: ``(kappa, a = exp(g) k, b = -kappa,
     p_T)``, the first three ``[B,T,H,K]`` in ``out_dtype``."""
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
-    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True, cu_seqlens, N, L)
+    return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True, cu_seqlens, N, L, omega_softplus)
 
 
 def isotropic_gain(
@@ -851,9 +895,9 @@ def isotropic_gain(
     return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype, cu_seqlens, N, L)
 
 
-# The Diagonal memory kernel: "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK; verified on an H200) or
-# "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; not yet measured on a GPU).
-DIAG_MEMORY = "dplr"
+# The Diagonal memory kernel: "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; the
+# faster: bench/RESULTS.md) or "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK).
+DIAG_MEMORY = "asym"
 # fla's DPLR chunk size (its default is 16; 32 and 64 compute the decays pairwise too)
 DPLR_CHUNK = 16
 ASYM_CHUNK = 64
@@ -932,15 +976,15 @@ def _mem_dtype(x: Tensor) -> torch.dtype:
 def diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | None = None, omega_softplus: bool = False,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel
     (``DIAG_MEMORY = "dplr"``), or the gain + fla's asymmetric chunk-64 kernels (``"asym"``).
 
     Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None
     (zero memory), p0 [N,H,K])``; ``scale`` multiplies ``q``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``,
-    ``"asym"`` only), else ``N = B``. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None`` unless
-    ``output_final_state``).
+    ``"asym"`` only), else ``N = B``; ``omega_softplus`` as in :func:`diagonal_gain`. Returns ``o [B,T,H,V]``
+    and ``(S_T, p_T)`` (``S_T`` is ``None`` unless ``output_final_state``).
     """
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
@@ -949,14 +993,14 @@ def diagonal_kdn(
     if DIAG_MEMORY not in ("dplr", "asym"):
         raise ValueError(f"kdn.triton_ops.DIAG_MEMORY must be 'dplr' or 'asym', got {DIAG_MEMORY!r}")
     if DIAG_MEMORY == "asym":
-        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens)
+        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens, omega_softplus=omega_softplus)
         o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
                                        float(scale), output_final_state, cu_seqlens)
         return o, (S, pT)
     if cu_seqlens is not None:
         raise NotImplementedError("triton_ops.diagonal_kdn takes cu_seqlens only with DIAG_MEMORY = 'asym'; packed "
                                   "sequences go through kdn.api's unpacking for the DPLR memory")
-    kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt)
+    kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt, omega_softplus=omega_softplus)
     o, S = chunk_dplr_delta_rule(
         q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=DPLR_CHUNK,
         initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,

@@ -54,6 +54,26 @@ def test_continuation_from_carried_state(isotropic: bool) -> None:
 
 
 @pytest.mark.parametrize("isotropic", [False, True])
+def test_omega_softplus_takes_omega_before_its_softplus(isotropic: bool) -> None:
+    """``omega_softplus=True`` with ``omega`` before its softplus (both signs, packed too) equals passing the
+    softplus, values and the gradient reaching ``omega``'s input; such ``omega`` is not checked for sign."""
+    H, K, V = 2, 8, 4
+    x = make_inputs(1, 90, H, K, V, isotropic=isotropic, seed=5)
+    raw = torch.randn(x["omega"].shape, dtype=f64, generator=torch.Generator().manual_seed(1)) * 3
+    cu = torch.tensor([0, 31, 90])
+    for kw in ({}, {"cu_seqlens": cu}):
+        grads = []
+        for fused in (True, False):
+            w = raw.clone().requires_grad_()
+            o, (S, p) = _api(isotropic)(**(x | {"omega": w if fused else torch.nn.functional.softplus(w)}),
+                                        omega_softplus=fused, output_final_state=True, **kw)
+            (o.sum() + S.sum() + p.sum()).backward()
+            grads.append((o.detach(), S.detach(), p.detach(), w.grad))
+        for a, b in zip(*grads):
+            assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("isotropic", [False, True])
 def test_varlen_equals_separate_sequences(isotropic: bool) -> None:
     H, K, V = 2, 8, 4
     lengths = [5, 70, 1, 33]

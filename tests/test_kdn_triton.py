@@ -102,16 +102,21 @@ def test_triton_varlen(isotropic: bool) -> None:
     _assert_within(_compare(isotropic, case, {"T": sum(lengths), "H": 16, "K": 64, "varlen": lengths}, cu))
 
 
-@pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
+@pytest.mark.parametrize("isotropic,softplus", [(False, False), (True, False), (False, True)],
+                         ids=["diag", "iso", "diag_omega_softplus"])
 @pytest.mark.parametrize("K", [64, 128])
-def test_gain_scan_fp32_is_tight(isotropic: bool, K: int) -> None:
+def test_gain_scan_fp32_is_tight(isotropic: bool, softplus: bool, K: int) -> None:
     """The fused Triton gain alone, FP32 against float64: the gain, the final uncertainty and the gradient
-    of every input (mu included); Diagonal also through its DPLR operands ``a = exp(g) k``, ``b = -kappa``."""
+    of every input (mu included); Diagonal also through its DPLR operands ``a = exp(g) k``, ``b = -kappa``, and
+    with ``omega`` before its softplus (applied in the kernels)."""
     from kdn import gain as tgain
     from kdn import triton_ops
 
     B, T, H = 2, 3000, 8
     x = make_inputs(B, T, H, K, K, isotropic=isotropic, seed=3, g_min=-3.0)
+    if softplus:  # omega's input: both signs, some far below 0
+        x["omega"] = torch.randn(x["omega"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 3
+        x["omega"][:, :50] -= 20.0
     u0 = make_state(B, H, K, K, isotropic=isotropic)[1]
     mu = torch.linspace(1.0, float(K), H, dtype=torch.float64)
     leaves64 = {n: x[n].cuda().requires_grad_() for n in ("k", "g", "omega", "r")}
@@ -119,12 +124,14 @@ def test_gain_scan_fp32_is_tight(isotropic: bool, K: int) -> None:
     leaves32 = {n: t.detach().float().requires_grad_() for n, t in leaves64.items()}
     args64 = [leaves64[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
     args32 = [leaves32[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
+    if softplus:
+        args64[2] = F.softplus(args64[2])
     if isotropic:
         ref, out = tgain.isotropic_gain(*args64), triton_ops.isotropic_gain(*args32)
     else:
         kappa64, p64 = tgain.diagonal_gain(*args64)
         ref = (kappa64, leaves64["g"].exp() * leaves64["k"], -kappa64, p64)
-        out = triton_ops.diagonal_gain_dplr(*args32)
+        out = triton_ops.diagonal_gain_dplr(*args32, omega_softplus=softplus)
     gen = torch.Generator(device="cuda").manual_seed(2)
     ups = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in ref]
     sum((t * u).sum() for t, u in zip(ref, ups)).backward()
@@ -132,7 +139,8 @@ def test_gain_scan_fp32_is_tight(isotropic: bool, K: int) -> None:
     names = ("gain", "uT") if isotropic else ("gain", "a", "b", "uT")
     errs = {n: rel_err(o, r) for n, o, r in zip(names, out, ref)}
     errs.update({f"d{n}": rel_err(leaves32[n].grad, leaves64[n].grad) for n in leaves64})
-    _record({"variant": ("isotropic" if isotropic else "diagonal") + "_gain_fp32", "T": T, "K": K, **errs})
+    name = ("isotropic" if isotropic else "diagonal") + "_gain_fp32" + ("_omega_softplus" if softplus else "")
+    _record({"variant": name, "T": T, "K": K, **errs})
     assert max(errs.values()) < 1e-4, errs
 
 
@@ -233,21 +241,22 @@ def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPa
         assert not bad, (case, bad)
 
 
-@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("chunk", [16, 32, 64])
 @pytest.mark.parametrize("T,H,K,g_min", [(1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
 def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: float,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """fla's DPLR kernels at chunk 32 / 64 (exact pairwise decays, no gate bound assumed) for the Diagonal
-    memory: the same tolerances as at chunk 16, strong forgetting included."""
+    """``DIAG_MEMORY = "dplr"``: fla's DPLR kernels at chunk 16 / 32 / 64 (exact pairwise decays, no gate bound
+    assumed) for the Diagonal memory, fla's KDA tolerances, strong forgetting included."""
     from kdn import triton_ops
 
+    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")
     monkeypatch.setattr(triton_ops, "DPLR_CHUNK", chunk)
     case = _case(2, T, H, K, False, seed=T + chunk, g_min=g_min)
     _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "dplr_chunk": chunk}))
 
 
-@pytest.mark.parametrize("T,H,K,g_min", [(1, 1, 64, -2.0), (63, 1, 64, -2.0), (64, 16, 64, -2.0), (65, 1, 128, -2.0),
-                                         (1000, 16, 128, -2.0), (1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
+@pytest.mark.parametrize("T,H,K,g_min", [(1000, 16, 128, -2.0), (4096, 16, 128, -2.0), (1000, 4, 64, -12.0),
+                                         (65, 1, 128, -2.0), (64, 16, 64, -2.0), (63, 1, 64, -2.0), (1, 1, 64, -2.0)])
 def test_diagonal_asymmetric_chunk_kernels(T: int, H: int, K: int, g_min: float,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """``DIAG_MEMORY = "asym"``: the Diagonal memory through fla's asymmetric chunk-64 kernels, every gradient
