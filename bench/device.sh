@@ -2,7 +2,9 @@
 # GPU work on a lent H200 (the `device` tool): several stages per call, one log and the JSON under $OUT.
 #   bash bench/device.sh kernels throughput profile train100m throughput750m
 # Stages (each under its own time limit, <STAGE>_S or STAGE_S seconds, default 240, so that later stages and the
-# autotune tarball still run when one stage is slow):
+# autotune tarball still run when one stage is slow; no stage runs past DEVICE_S seconds from the start, default
+# 560, so that the tarball is written inside the device tool's 600 s; a stage that ignores SIGTERM, as train.py
+# does to checkpoint at the next step, is killed 15 s later):
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
 #                  (several kernels stages per call; each one's limit is KERNELS_S)
@@ -16,6 +18,7 @@
 # them skips most first-call autotuning (several minutes per fla op otherwise). The new results come back as
 # $OUT/autotune.tgz, to be saved in bench/triton_cache/.
 set -uo pipefail
+START=$SECONDS
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/device}
 LOG=$OUT/device.log
@@ -37,8 +40,15 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
   local name=$1; shift
   local var; var="$(echo "${name%% *}" | tr '[:lower:]' '[:upper:]')_S"
   local limit=${!var:-${STAGE_S:-240}}
+  local left=$(( ${DEVICE_S:-560} - (SECONDS - START) - 20 ))
+  if [ "$left" -lt 10 ]; then
+    echo "=== $name skipped: DEVICE_S reached" | tee -a "$LOG"
+    rc=124
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "=== $name ($(date -u +%T), limit $limit s)" | tee -a "$LOG"
-  timeout "$limit" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
+  timeout -k 15 "$limit" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
   local s=${PIPESTATUS[0]}
   echo "=== $name exit $s" | tee -a "$LOG"
   [ "$s" = 0 ] || rc=$s

@@ -32,9 +32,9 @@ sequence; a program reads its sequence's first row and length from ``cu_seqlens`
 past the end do nothing, and states, carries and scratch are per sequence. The segment holding a sequence's
 last token writes its final state (segment 0 for an empty sequence, whose state passes through).
 
-Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN maps onto
-fla's ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``DIAG_MEMORY = "dplr"``), or runs
-fla's asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``"asym"``).
+Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN runs fla's
+asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``DIAG_MEMORY = "asym"``,
+the default), or maps onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``"dplr"``).
 
 Decoding: ``fused_recurrent`` runs gain and memory token by token in one kernel, the state in registers.
 """
