@@ -4,7 +4,7 @@
 # Stages (each under its own time limit, <STAGE>_S or STAGE_S seconds, default 240, so that later stages and the
 # autotune tarball still run when one stage is slow; no stage runs past DEVICE_S seconds from the start, default
 # 560, so that the tarball is written inside the device tool's 600 s; a stage that ignores SIGTERM, as train.py
-# does to checkpoint at the next step, is killed 15 s later):
+# does to checkpoint at the next step, is killed KILL_S (15) seconds later):
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
 #                  (several kernels stages per call; each one's limit is KERNELS_S)
@@ -40,7 +40,7 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
   local name=$1; shift
   local var; var="$(echo "${name%% *}" | tr '[:lower:]' '[:upper:]')_S"
   local limit=${!var:-${STAGE_S:-240}}
-  local left=$(( ${DEVICE_S:-560} - (SECONDS - START) - 20 ))
+  local left=$(( ${DEVICE_S:-560} - (SECONDS - START) - ${KILL_S:-15} - 5 ))
   if [ "$left" -lt 10 ]; then
     echo "=== $name skipped: DEVICE_S reached" | tee -a "$LOG"
     rc=124
@@ -48,7 +48,7 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
   fi
   [ "$limit" -le "$left" ] || limit=$left
   echo "=== $name ($(date -u +%T), limit $limit s)" | tee -a "$LOG"
-  timeout -k 15 "$limit" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
+  timeout -k "${KILL_S:-15}" "$limit" "$@" 2>&1 | grep -v -e Warning -e '_cpu_device_warning' | tee -a "$LOG"
   local s=${PIPESTATUS[0]}
   echo "=== $name exit $s" | tee -a "$LOG"
   [ "$s" = 0 ] || rc=$s
