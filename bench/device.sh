@@ -13,6 +13,10 @@
 #                  PROFILE_ARGS, e.g. --ops for the operators behind them)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
+#   warm=MODULE ARGS  bench.warm_triton: the workload `python -m MODULE ARGS` in WARM_WORKERS (12) processes that
+#                  compile their share of every autotune configuration, so that a later stage running the same
+#                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
+#                  --out /tmp/warm.json")
 # The device image lacks fla: carry its wheels in .whl/ (`pip download --no-deps flash-linear-attention==0.6.0
 # fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune results for that stack; restoring
 # them skips most first-call autotuning (several minutes per fla op otherwise). The new results come back as
@@ -63,6 +67,10 @@ for stage in "$@"; do
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
+    warm=*)
+      # shellcheck disable=SC2086
+      run_stage "warm ${stage#warm=}" python3 -m bench.warm_triton --workers "${WARM_WORKERS:-12}" -m ${stage#warm=}
+      ;;
     throughput)
       # shellcheck disable=SC2086
       run_stage throughput python3 -m bench.mixer_throughput ${BENCH_ARGS:---mixers kdn_diag kdn_iso kda --T 8192 32768} \
@@ -83,7 +91,7 @@ for stage in "$@"; do
       cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
       ;;
     *)
-      echo "unknown stage $stage; stages: kernels throughput profile train100m throughput750m" >&2
+      echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput profile train100m throughput750m" >&2
       exit 2
       ;;
   esac

@@ -1,9 +1,14 @@
-"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput and the stage time
-limits of bench/device.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time)."""
+"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput, the stage time limits
+of bench/device.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time), and
+bench.warm_triton's workers (each compiles and runs its share of the configurations, untimed, and keeps no
+autotune results), in Triton's interpreter."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,3 +56,52 @@ def test_device_stages_stay_inside_the_call() -> None:
     # and skipped when under 10 s would be left
     out, _ = _run_stages("run_stage late true", env | {"STAGE_S": "100", "DEVICE_S": "15"})
     assert "=== late skipped: DEVICE_S reached" in out and "rc=124" in out, out
+
+
+WARM_SCRIPT = r"""
+import json, sys, torch, triton, triton.language as tl
+from bench.warm_triton import patch_autotuner
+
+
+@triton.autotune(configs=[triton.Config({"B": b}) for b in (1, 2, 4, 8)], key=["n"])
+@triton.jit
+def kern(x_ptr, n, B: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, B), tl.full([B], B, tl.float32))
+
+
+patch_autotuner(int(sys.argv[1]), int(sys.argv[2]))
+x = torch.zeros(8)
+kern[(1,)](x, 8)
+print(json.dumps({"configs": [c.kwargs["B"] for c in kern.configs], "cache": kern.cache_results, "x": x.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("worker,workers,share,x", [
+    (0, 2, [1, 4], [1, 4, 4, 4, 0, 0, 0, 0]),  # both run once, untimed, in order; then the first (equal "timings")
+    (1, 3, [2], [2, 2, 0, 0, 0, 0, 0, 0]),  # a share of one: run as it is
+    (5, 6, [1], [1, 0, 0, 0, 0, 0, 0, 0]),  # an empty share: the first configuration
+])
+def test_warm_worker_compiles_only_its_share(worker: int, workers: int, share: list[int], x: list[float]) -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", WARM_SCRIPT, str(worker), str(workers)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"configs": share, "cache": False, "x": x}
+
+
+def test_warm_runs_the_workload_in_every_worker(tmp_path: Path) -> None:
+    (tmp_path / "warm_probe.py").write_text(
+        "import os, sys\nfrom pathlib import Path\n"
+        "Path(os.environ['PROBE_DIR'], str(os.getpid())).write_text(' '.join(sys.argv[1:]))\n"
+        "raise SystemExit(3 if '--fail' in sys.argv else 0)\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "PROBE_DIR": str(tmp_path / "out"),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "bench.warm_triton", "--workers", "3", "-m", "warm_probe",
+                           "--T", "8192"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    runs = [p.read_text() for p in (tmp_path / "out").iterdir()]
+    assert runs == ["--T 8192"] * 3
+    assert "3 workers ran `-m warm_probe --T 8192`" in proc.stdout
