@@ -219,26 +219,27 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.mixer_throughput needs a CUDA device")
-    d, H, K = 2048, 16, 128
-    rows = []
-    for T in args.T:
-        for name in args.mixers:
-            try:
-                row = measure(name, args.batch, T, d, H, K, args.repeats)
-            except (ImportError, RuntimeError, AssertionError) as e:  # kernels missing or not supported here
-                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
     import fla
     import triton
 
+    d, H, K = 2048, 16, 128
+    rows: list[dict] = []
     header = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "fla": fla.__version__, "date": datetime.date.today().isoformat(), "batch": args.batch,
         "d_model": d, "heads": H, "head_dim": K, "dtype": "bfloat16", "repeats": args.repeats,
     }
-    write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
+    for T in args.T:
+        for name in args.mixers:
+            try:
+                row = measure(name, args.batch, T, d, H, K, args.repeats)
+            except Exception as e:  # kernels missing, refused or out of resources here: a row that says so
+                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            # after every row, so that a sweep stopped by a time limit keeps what it measured
+            write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
     print(f"\n{'mixer':<14}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'host ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
