@@ -59,6 +59,10 @@ def _run_module(module: str, argv: list[str]) -> None:
         pass
 
 
+def _files(folder: Path) -> int:
+    return sum(1 for _ in folder.rglob("*")) if folder.exists() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    before = sum(1 for _ in cache.rglob("*")) if cache.exists() else 0
+    before = _files(cache)
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-m", "bench.warm_triton", "--worker", f"{w}/{args.workers}",
                                "-m", args.module, *rest], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         _, err = p.communicate()
         if p.returncode:
             failed.append(f"worker {w}: exit {p.returncode}: {err.decode(errors='replace').strip()[-300:]}")
-    after = sum(1 for _ in cache.rglob("*")) if cache.exists() else 0
+    after = _files(cache)
     print(f"warm_triton: {args.workers} workers ran `-m {args.module} {' '.join(rest)}` in "
           f"{time.monotonic() - start:.0f} s; {after - before} new files in {cache}")
     for line in failed:

@@ -131,7 +131,7 @@ def _run(
     fused_softplus = omega_softplus and backend == "triton" and not isotropic and (
         cu_seqlens is None or _diag_memory() == "asym")
     if omega_softplus and not fused_softplus:
-        omega = F.softplus(omega.to(torch.float64 if dt == torch.float64 else torch.float32))
+        omega = F.softplus(omega.to(dt))
     if backend == "triton":
         from kdn import triton_ops
 

@@ -151,10 +151,34 @@ def _diag_dkappa(dkappa_ptr, db_ptr, row, h, offs_k, ok, H: tl.constexpr, K: tl.
 
 
 @triton.jit
-def _diag_span(s, SEG, Tn):
-    # tokens [t0, t1) of segment s of a sequence of Tn tokens (empty past its end)
+def _diag_program(cu_ptr, mu_ptr, T, SEG, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    # this program's (sequence*head bh, segment s): its head, the sequence's first row, the segment's tokens
+    # [t0, t1) (empty past the sequence's end), the channel offsets and mask, and mu
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    h = bh % H
+    bos, Tn = _sequence(cu_ptr, bh // H, T, IS_VARLEN)
     t0 = s * SEG
-    return t0, tl.minimum(t0 + SEG, Tn)
+    offs_k = tl.arange(0, BK)
+    return bh, s, h, bos, t0, tl.minimum(t0 + SEG, Tn), offs_k, offs_k < K, tl.load(mu_ptr + h)
+
+
+@triton.jit
+def _diag_predict(p, kf, g, w, r, mu):
+    # one token from p_{t-1}: a = alpha^2, p^ = a p + w, k^2, the posterior's denominator 1 + u p^ and the row sum
+    # s = r + sum_K p^ k^2
+    a = tl.exp(2.0 * g)
+    ph = a * p + w
+    k2 = kf * kf
+    return a, ph, k2, 1.0 + mu / r * k2 * ph, r + tl.sum(ph * k2, axis=0)
+
+
+@triton.jit
+def _diag_direct(dkap, ph, kf, k2, srow):
+    # through kappa alone: c = sum_K dkappa kappa and the direct gradient of p^, e = (dkappa k - c k^2) / s
+    c = tl.sum(dkap * ph * kf, axis=0) / srow
+    return c, (dkap * kf - c * k2) / srow
 
 
 @triton.jit
@@ -165,23 +189,14 @@ def _diag_seg_fwd_kernel(
 ):
     # one (sequence*head, segment): the product of the segment's posterior maps M_t = [[a, w], [u a, 1 + u w]]
     # per channel, renormalised by its largest entry (all entries are >= 0) -> seg [N*H, NS, 4, K]
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    b, h = bh // H, bh % H
-    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    mu = tl.load(mu_ptr + h)
-    t0, t1 = _diag_span(s, SEG, Tn)
+    bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     m11 = tl.full([BK], 1.0, tl.float32)
     m12 = tl.zeros([BK], tl.float32)
     m21 = tl.zeros([BK], tl.float32)
     m22 = tl.full([BK], 1.0, tl.float32)
-    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1, H, K, OMEGA_SOFTPLUS)
     for t in range(t0, t1):
-        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1, H, K, OMEGA_SOFTPLUS)
         a = tl.exp(2.0 * g)
         u = mu / r * kf * kf
         n11 = a * m11 + w * m21
@@ -229,24 +244,14 @@ def _diag_gain_fwd_kernel(
 ):
     # one (sequence*head, segment): from the entering carry, token by token: p^ = a p + w, the gain
     # kappa = p^ k / (r + sum_K p^ k^2), p = p^ / (1 + u p^); kappa (and DPLR's a = exp(g) k, b = -kappa) out
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    b, h = bh // H, bh % H
-    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    mu = tl.load(mu_ptr + h)
-    t0, t1 = _diag_span(s, SEG, Tn)
+    bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     p = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, t0 < t1), other=1.0)
-    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1, H, K, OMEGA_SOFTPLUS)
     for t in range(t0, t1):
-        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
-        ph = tl.exp(2.0 * g) * p + w
-        k2 = kf * kf
-        p = ph / (1.0 + mu / r * k2 * ph)
-        kappa = ph * kf / (r + tl.sum(ph * k2, axis=0))
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1, H, K, OMEGA_SOFTPLUS)
+        _, ph, _, d, srow = _diag_predict(p, kf, g, w, r, mu)
+        p = ph / d
+        kappa = ph * kf / srow
         idx = ((bos + t) * H + h) * K + offs_k
         tl.store(kappa_ptr + idx, kappa.to(kappa_ptr.dtype.element_ty), mask=mk)
         if EMIT_AB:
@@ -265,33 +270,20 @@ def _diag_seg_bwd_kernel(
     # [B,T,H,K] (read back in reversed time by the last launch), and composes the adjoint steps
     # lambda_{t-1} = A_t lambda_t + B_t over the segment into lambda_{t0-1} = P lambda_{t1-1} + Q
     # -> seg [N*H, NS, 2, K]
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    b, h = bh // H, bh % H
-    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    mu = tl.load(mu_ptr + h)
-    t0, t1 = _diag_span(s, SEG, Tn)
+    bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     p = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, t0 < t1), other=1.0)
     P = tl.full([BK], 1.0, tl.float32)
     Q = tl.zeros([BK], tl.float32)
-    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t0, h, offs_k, t0 < t1, H, K, OMEGA_SOFTPLUS)
     dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + t0, h, offs_k, t0 < t1, H, K, EMIT_AB)
     for t in range(t0, t1):
-        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1,
-                                    H, K, OMEGA_SOFTPLUS)
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t + 1, h, offs_k, t + 1 < t1, H, K, OMEGA_SOFTPLUS)
         dkn = _diag_dkappa(dkappa_ptr, db_ptr, bos + t + 1, h, offs_k, t + 1 < t1, H, K, EMIT_AB)
-        a = tl.exp(2.0 * g)
-        ph = a * p + w
-        k2 = kf * kf
-        d = 1.0 + mu / r * k2 * ph
+        a, ph, k2, d, srow = _diag_predict(p, kf, g, w, r, mu)
         p = ph / d
         tl.store(post_ptr + ((bos + t) * H + h) * K + offs_k, p, mask=mk)
-        srow = r + tl.sum(ph * k2, axis=0)
-        c = tl.sum(dkap * ph * kf, axis=0) / srow  # sum_K dkappa kappa
-        Q += P * a * (dkap * kf - c * k2) / srow
+        _, e = _diag_direct(dkap, ph, kf, k2, srow)
+        Q += P * a * e
         P = P * a / (d * d)
         kf, g, w, r, dkap = kn, gn, wn, rn, dkn
     base = seg_ptr + (bh * NS + s) * 2 * K + offs_k
@@ -329,40 +321,27 @@ def _diag_gain_bwd_kernel(
 ):
     # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
     # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2)
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    b, h = bh // H, bh % H
-    bos, Tn = _sequence(cu_ptr, b, T, IS_VARLEN)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    mu = tl.load(mu_ptr + h)
-    t0, t1 = _diag_span(s, SEG, Tn)
+    bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     ok = t0 < t1
     lam = tl.load(lam_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=0.0)
     p_in = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=1.0)
     dmu = tl.zeros([BK], tl.float32)
     last = t1 - 1
-    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + last, h, offs_k, ok,
-                                    H, K, OMEGA_SOFTPLUS)
+    kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + last, h, offs_k, ok, H, K, OMEGA_SOFTPLUS)
     dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + last, h, offs_k, ok, H, K, EMIT_AB)
     pp = tl.load(post_ptr + ((bos + last - 1) * H + h) * K + offs_k, mask=_chan(offs_k, K, last > t0), other=1.0)
     for j in range(t1 - t0):
         t = t1 - 1 - j
         nok = t - 1 >= t0
-        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t - 1, h, offs_k, nok,
-                                    H, K, OMEGA_SOFTPLUS)
+        kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t - 1, h, offs_k, nok, H, K, OMEGA_SOFTPLUS)
         dkn = _diag_dkappa(dkappa_ptr, db_ptr, bos + t - 1, h, offs_k, nok, H, K, EMIT_AB)
         ppn = tl.load(post_ptr + ((bos + t - 2) * H + h) * K + offs_k, mask=_chan(offs_k, K, t - 2 >= t0), other=1.0)
         p_prev = tl.where(t > t0, pp, p_in)
-        a = tl.exp(2.0 * g)
-        ph = a * p_prev + w
-        k2 = kf * kf
+        a, ph, k2, d, srow = _diag_predict(p_prev, kf, g, w, r, mu)
         u = mu / r * k2
-        d = 1.0 + u * ph
         cc = 1.0 / (d * d)
-        srow = r + tl.sum(ph * k2, axis=0)
-        c = tl.sum(dkap * ph * kf, axis=0) / srow
-        dph = (dkap * kf - c * k2) / srow + cc * lam
+        c, e = _diag_direct(dkap, ph, kf, k2, srow)
+        dph = e + cc * lam
         du = -lam * ph * ph * cc
         dk = (dkap * ph - 2.0 * c * ph * kf) / srow + 2.0 * mu / r * du * kf
         dg = 2.0 * a * p_prev * dph
