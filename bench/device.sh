@@ -8,32 +8,44 @@
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
 #                  (several kernels stages per call; each one's limit is KERNELS_S)
-#   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K)
+#   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K);
+#                  `throughput=ARGS` takes ARGS instead
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
 #                  PROFILE_ARGS, e.g. --ops for the operators behind them)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
+#   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
+#   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
+#   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT
 #   warm=MODULE ARGS  bench.warm_triton: the workload `python -m MODULE ARGS` in WARM_WORKERS (12) processes that
 #                  compile their share of every autotune configuration, so that a later stage running the same
 #                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
 #                  --out /tmp/warm.json")
-# The device image lacks fla: carry its wheels in .whl/ (`pip download --no-deps flash-linear-attention==0.6.0
-# fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune results for that stack; restoring
+# The device image lacks fla: carry its wheels in .whl/, or the folder WHEELS names (`pip download --no-deps
+# flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune results for that stack; restoring
 # them skips most first-call autotuning (several minutes per fla op otherwise). The new results come back as
-# $OUT/autotune.tgz, to be saved in bench/triton_cache/.
+# $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ is set).
+# bench/device_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
+# first (DEVICE_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
 START=$SECONDS
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/device}
-LOG=$OUT/device.log
+LOG=${LOG:-$OUT/device.log}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} PYTHONUNBUFFERED=1 WANDB_MODE=offline
+WHEELS=${WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  if [ -z "${DEVICE_PREPARED:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WHEELS"/*.whl || exit 1
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 fi
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} PYTHONUNBUFFERED=1 WANDB_MODE=offline
-mkdir -p "$TRITON_CACHE_DIR"
-for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
+if [ -z "${DEVICE_PREPARED:-}" ]; then
+  mkdir -p "$TRITON_CACHE_DIR"
+  for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
+fi
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -67,14 +79,20 @@ for stage in "$@"; do
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
+    env=*=*)
+      export "${stage#env=}"
+      echo "=== ${stage#env=}" | tee -a "$LOG"
+      ;;
     warm=*)
       # shellcheck disable=SC2086
       run_stage "warm ${stage#warm=}" python3 -m bench.warm_triton --workers "${WARM_WORKERS:-12}" -m ${stage#warm=}
       ;;
-    throughput)
+    throughput|throughput=*)
+      args=${stage#throughput}
+      args=${args#=}
       # shellcheck disable=SC2086
-      run_stage throughput python3 -m bench.mixer_throughput ${BENCH_ARGS:---mixers kdn_diag kdn_iso kda --T 8192 32768} \
-        --out "$OUT/mixer_throughput.json"
+      run_stage throughput python3 -m bench.mixer_throughput \
+        ${args:-${BENCH_ARGS:---mixers kdn_diag kdn_iso kda --T 8192 32768}} --out "$OUT/mixer_throughput.json"
       ;;
     profile)
       for m in ${PROFILE_MIXERS:-kdn_iso kdn_diag kda}; do
@@ -90,11 +108,21 @@ for stage in "$@"; do
       run_stage throughput750m bash slurm/gpu_checks.sh throughput
       cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
       ;;
+    parity1|parity2)
+      run_stage "$stage" bash slurm/gpu_checks.sh "$stage"
+      for r in runs/gpu_parity_*; do
+        [ -d "$r" ] && mkdir -p "$OUT/$(basename "$r")" && cp "$r"/{summary,compare}.json "$r"/metrics.jsonl \
+          "$OUT/$(basename "$r")/" 2>/dev/null
+      done
+      ;;
     *)
-      echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput profile train100m throughput750m" >&2
+      echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput[=ARGS] profile train100m" \
+        "throughput750m parity1 parity2 env=NAME=VALUE" >&2
       exit 2
       ;;
   esac
 done
-(cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$OUT/autotune.tgz"
+if [ -z "${NO_AUTOTUNE_TGZ:-}" ]; then
+  (cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$OUT/autotune.tgz"
+fi
 exit $rc

@@ -3,6 +3,7 @@
 ``python -m bench.mixer_throughput [--T 2048 4096 ...] [--mixers kdn_diag kda ...] [--repeats 30]``
 prints a table and writes ``bench/results/mixer_throughput.json`` (+ ``.png``). Settings follow the paper:
 d_model 2048, 16 heads x 128, batch 4, bf16; medians over ``--repeats`` timed runs after warm-up.
+``--merge a.json b.json --out c.json`` joins sweeps run side by side on GPUs of one machine.
 """
 from __future__ import annotations
 
@@ -208,39 +209,8 @@ def plot(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mixers", nargs="+",
-                    default=["kdn_diag", "kdn_iso", "kda", "deltanet", "gdn", "gdn2", "mamba3_siso", "attn"])
-    ap.add_argument("--T", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=RESULTS / "mixer_throughput.json")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.mixer_throughput needs a CUDA device")
-    import fla
-    import triton
-
-    d, H, K = 2048, 16, 128
-    rows: list[dict] = []
-    header = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "fla": fla.__version__, "date": datetime.date.today().isoformat(), "batch": args.batch,
-        "d_model": d, "heads": H, "head_dim": K, "dtype": "bfloat16", "repeats": args.repeats,
-    }
-    for T in args.T:
-        for name in args.mixers:
-            try:
-                row = measure(name, args.batch, T, d, H, K, args.repeats)
-            except Exception as e:  # kernels missing, refused or out of resources here: a row that says so
-                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            # after every row, so that a sweep stopped by a time limit keeps what it measured
-            write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+def report(rows: list[dict]) -> None:
+    """Print the table of ``rows``; the ``x KDA`` column is each row's tokens/s over KDA's at the same T."""
     ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
     print(f"\n{'mixer':<14}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'host ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
           f"{'x KDA':>7}{'peak GB':>9}{'kern TF/s':>11}{'kern GB/s':>11}")
@@ -258,6 +228,61 @@ def main() -> None:
           "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time); "
           "host ms: CPU time to enqueue one fwd+bwd")
 
+
+def merge(paths: list[Path], out: Path) -> None:
+    """Join the results of sweeps that ran at the same time on GPUs of one machine (e.g. through
+    bench/device_pair.sh) into one file at ``out`` (+ ``.png``): the first file's header, with every header
+    under ``"merged_from"``; rows ordered by T, then by the order in which the mixers first appear."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    rows = [r for run in runs for r in run["results"]]
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["mixer"] for r in rows))}
+    rows.sort(key=lambda r: (r["T"], order[r["mixer"]]))
+    header = {**runs[0]["header"], "merged_from": [run["header"] for run in runs]}
+    write_atomic(out, json.dumps({"header": header, "results": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    report(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mixers", nargs="+",
+                    default=["kdn_diag", "kdn_iso", "kda", "deltanet", "gdn", "gdn2", "mamba3_siso", "attn"])
+    ap.add_argument("--T", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=RESULTS / "mixer_throughput.json")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="join these result files into --out instead of measuring (no GPU needed)")
+    args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.mixer_throughput needs a CUDA device")
+    import fla
+    import triton
+
+    d, H, K = 2048, 16, 128
+    rows: list[dict] = []
+    header = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "fla": fla.__version__, "date": datetime.date.today().isoformat(), "batch": args.batch,
+        "d_model": d, "heads": H, "head_dim": K, "dtype": "bfloat16", "repeats": args.repeats,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    for T in args.T:
+        for name in args.mixers:
+            try:
+                row = measure(name, args.batch, T, d, H, K, args.repeats)
+            except Exception as e:  # kernels missing, refused or out of resources here: a row that says so
+                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            # after every row, so that a sweep stopped by a time limit keeps what it measured
+            write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    report(rows)
 
 if __name__ == "__main__":
     main()

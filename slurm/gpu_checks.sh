@@ -2,7 +2,9 @@
 # The GPU measurements of issue 6, for bench/RESULTS.md. Each part stays under 10 minutes on H200s.
 #   slurm/gpu_checks.sh 100m        # one GPU: ~100M KDN, 500 steps, falling loss
 #   slurm/gpu_checks.sh throughput  # one GPU: 750M kdn_diag / kdn_iso / kda side by side
-#   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves
+#   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves (= parity1, parity2)
+#   slurm/gpu_checks.sh parity1     # its one-GPU reference run alone (it may run beside other work)
+#   slurm/gpu_checks.sh parity2     # its two-GPU runs, compared with the reference run
 # Results: the summary tables printed at the end, and runs/<name>/summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +26,18 @@ case "${1:-}" in
     python -m trainer.summarize runs/gpu_throughput_750m/{0,1,2} --json runs/gpu_throughput_750m/summary.json
     ;;
   parity)
-    rm -rf runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
-    CUDA_VISIBLE_DEVICES=0 python train.py experiment=gpu_parity_100m name=gpu_parity_1gpu "${DATA[@]}"
+    "$0" parity1
+    "$0" parity2
+    ;;
+  parity1)
+    rm -rf runs/gpu_parity_1gpu
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python train.py experiment=gpu_parity_100m name=gpu_parity_1gpu \
+      "${DATA[@]}"
+    python -m trainer.summarize runs/gpu_parity_1gpu --json runs/gpu_parity_1gpu/summary.json
+    ;;
+  parity2)
+    [ -f runs/gpu_parity_1gpu/metrics.jsonl ] || { echo "parity2 compares with runs/gpu_parity_1gpu: run parity1 first" >&2; exit 2; }
+    rm -rf runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
     accelerate launch --multi_gpu --num_processes 2 train.py \
       experiment=gpu_parity_100m name=gpu_parity_2gpu "${DATA[@]}"
     accelerate launch --multi_gpu --num_processes 2 train.py \
@@ -37,7 +49,7 @@ case "${1:-}" in
       --json runs/gpu_parity_2gpu_fsdp/compare.json
     ;;
   *)
-    echo "usage: $0 100m|throughput|parity" >&2
+    echo "usage: $0 100m|throughput|parity|parity1|parity2" >&2
     exit 2
     ;;
 esac

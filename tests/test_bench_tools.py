@@ -105,3 +105,45 @@ def test_warm_runs_the_workload_in_every_worker(tmp_path: Path) -> None:
     runs = [p.read_text() for p in (tmp_path / "out").iterdir()]
     assert runs == ["--T 8192"] * 3
     assert "3 workers ran `-m warm_probe --T 8192`" in proc.stdout
+
+
+def test_merge_joins_sweeps_of_two_gpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.mixer_throughput import merge
+
+    def row(mixer: str, T: int, tok: float) -> dict:
+        return {"mixer": mixer, "T": T, "ms_fwdbwd": 4 * T / tok * 1e3, "ms_fwd": 1.0, "ms_kernel_fwdbwd": None,
+                "ms_host_fwdbwd": 0.5, "tokens_per_s": tok, "peak_mem_gb": 1.0}
+
+    a = {"header": {"device": "H200", "cuda_visible_devices": "0"},
+         "results": [row("kdn_diag", 2048, 1.8e6), row("kda", 2048, 2.0e6), row("kdn_diag", 8192, 1.5e6)]}
+    b = {"header": {"device": "H200", "cuda_visible_devices": "1"},
+         "results": [row("gdn2", 2048, 1.4e6), {"mixer": "gdn", "T": 2048, "error": "RuntimeError: refused"}]}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p, run in zip(paths, (a, b)):
+        p.write_text(json.dumps(run))
+    merge(paths, tmp_path / "m.json")
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["mixer"], r["T"]) for r in m["results"]] == [
+        ("kdn_diag", 2048), ("kda", 2048), ("gdn2", 2048), ("gdn", 2048), ("kdn_diag", 8192)]
+    assert m["header"]["merged_from"] == [a["header"], b["header"]]
+    assert (tmp_path / "m.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert re.search(r"kdn_diag\s+2048 .* 1\.800\s+0\.90 ", table), table
+    assert re.search(r"gdn\s+2048\s+RuntimeError: refused", table), table
+
+
+def test_device_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none"),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PAIR_S": "120", "PAIR1_S": "60"}
+    proc = subprocess.run(["bash", "bench/device_pair.sh", "throughput=--help", "throughput=--help ; nope",
+                           " env=BENCH_ARGS=--help ; throughput "],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    out = tmp_path / "out"
+    assert proc.returncode == 2, proc.stderr  # the unknown stage of GPU 1's group
+    assert "=== throughput exit 0" in (out / "gpu0.log").read_text()
+    assert "=== throughput exit 0" in (out / "gpu1.log").read_text() and "unknown stage nope" in proc.stderr
+    both = (out / "both.log").read_text()
+    assert "=== BENCH_ARGS=--help" in both and "=== throughput exit 0" in both, both
+    listed = subprocess.run(["tar", "tzf", out / "results.tgz"], capture_output=True, text=True).stdout
+    assert {"./gpu0/", "./gpu1/", "./both/"} <= set(listed.split()), listed
+    assert (out / "autotune.tgz").stat().st_size > 0

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import write_json_atomic
+
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Training records and validation records of a run, in step order."""
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
         ok = True
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json_atomic(args.json, result)
     return 0 if ok else 1
 
 
