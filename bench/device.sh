@@ -75,7 +75,8 @@ for stage in "$@"; do
       expr=${stage#kernels}
       expr=${expr#=}
       # shellcheck disable=SC2086
-      run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" python3 -m pytest -q \
+      run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
+        python3 -m pytest -q \
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;

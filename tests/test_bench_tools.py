@@ -147,3 +147,15 @@ def test_device_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
     listed = subprocess.run(["tar", "tzf", out / "results.tgz"], capture_output=True, text=True).stdout
     assert {"./gpu0/", "./gpu1/", "./both/"} <= set(listed.split()), listed
     assert (out / "autotune.tgz").stat().st_size > 0
+
+
+def test_instafail_prints_a_failure_when_it_happens(tmp_path: Path) -> None:
+    (tmp_path / "test_probe.py").write_text(
+        "def test_fails():\n    assert 1 + 1 == 3, 'planted'\n\n\ndef test_passes():\n    pass\n")
+    env = {**os.environ, "KDN_INSTAFAIL": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_probe.py")], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    first = proc.stdout.index("AssertionError: planted")
+    assert first < proc.stdout.index("=== FAILURES ==="), proc.stdout  # before the summary, not only in it
+    assert "FAILED test_probe.py::test_fails (call)" in proc.stdout, proc.stdout

@@ -5,6 +5,9 @@ skip unless mamba-ssm's kernels import (see ``models/layers/_mamba_kernels.py``)
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -22,6 +25,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def skip_if_fla_refuses(test: Callable[..., None]) -> Callable[..., None]:
+    """Skip (not fail) where fla refuses a kernel on this stack: Gated DeltaNet's backward on Hopper with
+    Triton >= 3.4 and < 3.7.1 (a compiler bug, fla issue #640)."""
+    @functools.wraps(test)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            test(*args, **kwargs)
+        except RuntimeError as e:
+            if "< 3.7.1 on Hopper" not in str(e):
+                raise
+            pytest.skip(f"fla refuses this kernel here: {str(e)[:160]}")
+    return wrapper
+
+
 def _run(layer: torch.nn.Module, x: torch.Tensor, **kw: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Output and input/parameter gradients of ``sum(o * w)`` for a fixed random ``w``."""
     layer.zero_grad()
@@ -33,6 +50,7 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, **kw: object) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("name", sorted(DELTA_MIXERS))
+@skip_if_fla_refuses
 def test_delta_fla_kernels_match_torch_path(name: str) -> None:
     torch.manual_seed(0)
     layer = DELTA_MIXERS[name](256, 4, 64, layer_idx=0).to(CUDA)
@@ -67,6 +85,7 @@ def test_delta_fla_kernels_cache_and_packing(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(DELTA_MIXERS))
+@skip_if_fla_refuses
 def test_delta_matches_fla_layer(name: str) -> None:
     from fla import layers as fla_layers
 
@@ -124,6 +143,7 @@ def test_mamba3_kernel_prefill_then_decode(mimo: bool) -> None:
 
 
 @pytest.mark.parametrize("mixer", list(models.MIXERS))
+@skip_if_fla_refuses
 def test_model_trains_and_generates_on_cuda(mixer: str) -> None:
     torch.manual_seed(0)
     model = models.build_model(models.model_config("small", mixer, "hybrid_swa", vocab_size=512)).to(CUDA)
