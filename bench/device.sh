@@ -108,6 +108,9 @@ for stage in "$@"; do
     throughput750m)
       run_stage throughput750m bash slurm/gpu_checks.sh throughput
       cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
+      for r in runs/gpu_throughput_750m/[0-9]*; do
+        [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
+      done
       ;;
     parity1|parity2)
       run_stage "$stage" bash slurm/gpu_checks.sh "$stage"

@@ -61,9 +61,11 @@ def test_delta_fla_kernels_match_torch_path(name: str) -> None:
     for backend in ("torch", "fla"):
         layer.backend = backend
         outs[backend] = _run(layer, x, attention_mask=mask)
-    assert rel_err(outs["fla"][0], outs["torch"][0]) < 5e-3
+    # FP32 inputs: fla's kernels compute in FP32/TF32, except DeltaNet's, which take bf16 only (its inputs are rounded)
+    tol_o, tol_g = (1e-2, 2e-2) if name == "deltanet" else (5e-3, 1e-2)
+    assert rel_err(outs["fla"][0], outs["torch"][0]) < tol_o
     for g_fla, g_torch in zip(outs["fla"][1], outs["torch"][1]):
-        assert rel_err(g_fla, g_torch) < 1e-2
+        assert rel_err(g_fla, g_torch) < tol_g
 
 
 @pytest.mark.parametrize("name", sorted(DELTA_MIXERS))

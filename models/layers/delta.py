@@ -196,9 +196,10 @@ class DeltaNet(_ScalarBetaRule):
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.delta_rule import chunk_delta_rule
 
-        return chunk_delta_rule(q, k, v, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                                initial_state=S0, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
+        dt = torch.bfloat16 if q.dtype == torch.float32 else q.dtype  # fla's delta-rule kernels refuse FP32
+        o, S = chunk_delta_rule(q.to(dt), k.to(dt), v.to(dt), terms["beta"].to(dt), scale=self.head_dim ** -0.5,
+                                initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return o.to(q.dtype), S
 
 
 class GatedDeltaNet(_ScalarBetaRule):
