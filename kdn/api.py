@@ -147,7 +147,7 @@ def _run(
     else:
         S0 = q.new_zeros(n_seq, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
         args, state = [x.to(dt) for x in (q * scale if scale != 1.0 else q, k, v, g, omega, r)], (S0, p0.to(dt))
-        run = fn
+        run = partial(_without_autocast, fn)
     if cu_seqlens is None:
         o, final = run(*args, mu_t, state)
     elif backend == "triton" and (isotropic or _diag_memory() == "asym"):  # the kernels take the offsets
@@ -155,6 +155,12 @@ def _run(
     else:  # the PyTorch path and fla's DPLR memory run packed sequences as a padded batch
         o, final = _varlen(run, args, mu_t, state, cu_seqlens)
     return o.to(v.dtype), (final if output_final_state else None)
+
+
+def _without_autocast(fn: Callable, *args: object, **kwargs: object) -> tuple[Tensor, State]:
+    """The PyTorch path in its own dtype (FP32 or float64) even inside an autocast region."""
+    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        return fn(*args, **kwargs)
 
 
 def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: tuple, cu_seqlens: Tensor) -> tuple[Tensor, State]:
