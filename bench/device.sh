@@ -12,6 +12,8 @@
 #                  `throughput=ARGS` takes ARGS instead
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
 #                  PROFILE_ARGS, e.g. --ops for the operators behind them)
+#   profile_step   bench.profile_step: a whole model's training step (default: 750M kdn_diag / kdn_iso / kda at
+#                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step.json
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
@@ -101,6 +103,12 @@ for stage in "$@"; do
         run_stage "profile $m" python3 -m bench.profile_layer --mixer "$m" --T 8192 --rows 25 ${PROFILE_ARGS:-}
       done
       ;;
+    profile_step|profile_step=*)
+      args=${stage#profile_step}
+      args=${args#=}
+      # shellcheck disable=SC2086
+      run_stage profile_step python3 -m bench.profile_step ${args} --out "$OUT/profile_step.json"
+      ;;
     train100m)
       run_stage train100m bash slurm/gpu_checks.sh 100m
       cp runs/gpu_100m_kdn_diag/summary.json "$OUT/train100m.json" 2>/dev/null
@@ -121,7 +129,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput[=ARGS] profile train100m" \
-        "throughput750m parity1 parity2 env=NAME=VALUE" >&2
+        "throughput750m parity1 parity2 profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

@@ -159,3 +159,15 @@ def test_instafail_prints_a_failure_when_it_happens(tmp_path: Path) -> None:
     first = proc.stdout.index("AssertionError: planted")
     assert first < proc.stdout.index("=== FAILURES ==="), proc.stdout  # before the summary, not only in it
     assert "FAILED test_probe.py::test_fails (call)" in proc.stdout, proc.stdout
+
+
+def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
+    from bench.profile_step import main
+
+    out = tmp_path / "p.json"
+    main(["--size", "toy", "--mixers", "kdn_iso", "nope", "--seq-len", "32", "--batch", "2", "--steps", "1",
+          "--rows", "3", "--vocab", "256", "--device", "cpu", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert rows[0]["mixer"] == "kdn_iso" and rows[0]["ms_step"] > 0 and len(rows[0]["top"]) == 3
+    assert rows[0]["tokens_per_s"] == pytest.approx(64 / rows[0]["ms_step"] * 1e3)
+    assert rows[1] == {"mixer": "nope", "error": rows[1]["error"]} and "unknown mixer 'nope'" in rows[1]["error"]

@@ -1,0 +1,138 @@
+"""Where a whole model's training step goes: wall time, busy device time, allocator retries and top kernels.
+
+``python -m bench.profile_step --size 750m --mixers kdn_diag kda --seq-len 4096 --batch 8`` builds each model
+as train.py does (models.model_config, fp32 weights, bf16 autocast on CUDA, AdamW), times ``--steps`` steps of
+forward + backward + optimiser step after warm-up, then profiles one. Per mixer it prints the step time, tokens/s,
+the share of the step the device is busy (kernel time summed over the step; well under 100% means the host or a
+sync starves it), the allocator's retries (cudaFree and retry, which synchronise), peak memory, and the top
+kernels by device time (CPU: operators). Writes ``--out`` (default ``bench/results/profile_step.json``).
+A layer that is fast alone (bench.mixer_throughput) but slow here shows which of these differs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import models
+from bench.mixer_throughput import RESULTS, write_atomic
+
+
+def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor):
+    """One training step on ``ids [B, T]``: forward (bf16 autocast on CUDA), backward, AdamW step."""
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if ids.is_cuda else contextlib.nullcontext()
+
+    def step() -> None:
+        with amp:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, steps: int, rows: int,
+            device: torch.device) -> dict:
+    """One mixer's row: timings, allocator figures and its top kernels (or CPU operators)."""
+    torch.manual_seed(0)
+    model = models.build_model(models.model_config(size, mixer, backbone, vocab)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    ids = torch.randint(3, vocab, (B, T), device=device)
+    step = step_fn(model, opt, ids)
+    for _ in range(3):  # warm-up: autotuning, allocator growth, optimiser state
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    ms = (time.perf_counter() - start) / steps * 1e3
+    row = {"mixer": mixer, "size": size, "backbone": backbone, "batch": B, "seq_len": T,
+           "params": sum(p.numel() for p in model.parameters()), "ms_step": ms, "tokens_per_s": B * T / ms * 1e3}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        row |= {"alloc_retries_per_step": (stats.get("num_alloc_retries", 0) - retries0) / steps,
+                "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3
+        row["device_busy_ms"] = busy
+        row["device_busy_frac"] = busy / ms
+        key = "self_device_time_total"
+    else:
+        kernels = [e for e in events if e.key.startswith("aten::")]
+        key = "self_cpu_time_total"
+    top = sorted(kernels, key=lambda e: -getattr(e, key))[:rows]
+    row["top"] = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3} for e in top]
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def report(rows: list[dict]) -> None:
+    print(f"\n{'mixer':<14}{'ms/step':>10}{'tok/s':>10}{'busy':>7}{'retries':>9}{'peak GiB':>10}{'reserved':>10}")
+    for r in rows:
+        busy = f"{r['device_busy_frac']:.0%}" if "device_busy_frac" in r else "-"
+        retries = f"{r['alloc_retries_per_step']:.1f}" if "alloc_retries_per_step" in r else "-"
+        peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
+        res = f"{r['peak_reserved_gib']:.1f}" if "peak_reserved_gib" in r else "-"
+        print(f"{r['mixer']:<14}{r['ms_step']:>10.1f}{r['tokens_per_s']:>10.0f}{busy:>7}{retries:>9}{peak:>10}{res:>10}")
+    for r in rows:
+        print(f"\n{r['mixer']}: top {'kernels' if 'device_busy_ms' in r else 'operators'} in one step")
+        for t in r["top"]:
+            print(f"  {t['name'][:80]:<82}{t['calls']:>6}{t['ms']:>10.2f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="750m")
+    ap.add_argument("--mixers", nargs="+", default=["kdn_diag", "kdn_iso", "kda"])
+    ap.add_argument("--backbone", default="recurrent")
+    ap.add_argument("--vocab", type=int, default=32768, help="the Mistral v1 tokenizer's 32768 by default")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+              "autocast": "bf16" if device.type == "cuda" else None, "steps": args.steps}
+    rows: list[dict] = []
+    for mixer in args.mixers:
+        try:
+            row = measure(args.size, mixer, args.backbone, args.vocab, args.batch, args.seq_len, args.steps,
+                          args.rows, device)
+        except Exception as e:  # one mixer that cannot run here (kernels missing, out of memory) is its error row
+            row = {"mixer": mixer, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+        write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
+    report([r for r in rows if "error" not in r])
+
+
+if __name__ == "__main__":
+    main()
