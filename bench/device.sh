@@ -13,7 +13,7 @@
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
 #                  PROFILE_ARGS, e.g. --ops for the operators behind them)
 #   profile_step   bench.profile_step: a whole model's training step (default: 750M kdn_diag / kdn_iso / kda at
-#                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step.json
+#                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step_<n>.json (n-th such stage)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
@@ -107,7 +107,8 @@ for stage in "$@"; do
       args=${stage#profile_step}
       args=${args#=}
       # shellcheck disable=SC2086
-      run_stage profile_step python3 -m bench.profile_step ${args} --out "$OUT/profile_step.json"
+      n_profile=$(( ${n_profile:-0} + 1 ))
+      run_stage profile_step python3 -m bench.profile_step ${args} --out "$OUT/profile_step_$n_profile.json"
       ;;
     train100m)
       run_stage train100m bash slurm/gpu_checks.sh 100m
