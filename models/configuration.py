@@ -36,7 +36,9 @@ class KDNConfig(PretrainedConfig):
     ``mixer`` names an entry of :data:`models.MIXERS` and ``mixer_kwargs`` its options (for KDN e.g.
     ``{"mu": "dk", "noise": "learned", "alpha_param": "kda"}``). ``pattern`` chooses which layers use
     the mixer (see :func:`layer_pattern`); attention layers use ``num_heads x head_dim`` heads,
-    RoPE base ``rope_theta`` and, when sliding, ``window``. ``intermediate_size`` is the SwiGLU width.
+    RoPE base ``rope_theta`` and, when sliding, ``window``. ``intermediate_size`` is the SwiGLU width: one int
+    for every layer, or a list of ``num_layers`` ints (parameter matching mixes two widths, both multiples of
+    16 or more, rather than use one width that tensor cores handle badly).
     """
 
     model_type = "kdn_lm"
@@ -54,7 +56,7 @@ class KDNConfig(PretrainedConfig):
         mixer_kwargs: dict[str, Any] | None = None,
         pattern: str = "recurrent",
         window: int = 2048,
-        intermediate_size: int = 5632,
+        intermediate_size: int | list[int] = 5632,
         norm_eps: float = 1e-5,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
@@ -76,7 +78,8 @@ class KDNConfig(PretrainedConfig):
         self.mixer_kwargs = dict(mixer_kwargs or {})
         self.pattern = pattern
         self.window = window
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = list(intermediate_size) if isinstance(intermediate_size, (list, tuple)) \
+            else intermediate_size
         self.norm_eps = norm_eps
         self.initializer_range = initializer_range
         self.conv_size = conv_size
@@ -99,13 +102,24 @@ class KDNConfig(PretrainedConfig):
             return self.mixer, self.mixer_kwargs
         return "attn", {"window": self.window if code == "S" else None}
 
+    def ffn_width(self, layer_idx: int) -> int:
+        """The SwiGLU width of layer ``layer_idx``."""
+        w = self.intermediate_size
+        return w[layer_idx] if isinstance(w, list) else w
+
     def check(self) -> None:
         """Raise a ``ValueError`` that names the bad field and the fix."""
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size",
-                     "conv_size"):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "conv_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        widths = self.intermediate_size if isinstance(self.intermediate_size, list) else [self.intermediate_size]
+        if isinstance(self.intermediate_size, list) and len(widths) != self.num_layers:
+            raise ValueError(f"intermediate_size lists {len(widths)} widths for {self.num_layers} layers; give one int "
+                             "or one width per layer")
+        if any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in widths):
+            raise ValueError(f"intermediate_size must be a positive int or a list of them, got "
+                             f"{self.intermediate_size!r}")
         MIXERS.check_kwargs(self.mixer, self.mixer_kwargs)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
             raise ValueError(f"window must be a positive int (tokens of the sliding window), got {self.window!r}")

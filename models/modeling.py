@@ -65,7 +65,7 @@ class KDNBlock(GradientCheckpointingLayer):
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mixer = MIXERS[name].build(config, layer_idx, kwargs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = SwiGLU(config.hidden_size, config.ffn_width(layer_idx))
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache: KDNCache | None = None,

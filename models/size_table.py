@@ -12,6 +12,13 @@ from models.registry import MIXERS
 from models.sizes import REFERENCE_MIXER, SIZES, model_config, parameter_counts
 
 
+def _widths(w: int | list[int]) -> str:
+    """One width, or the distinct per-layer widths and how many layers have each (``5504x6/5568x10``)."""
+    if isinstance(w, int):
+        return str(w)
+    return "/".join(f"{v}x{w.count(v)}" for v in sorted(set(w)))
+
+
 def table_rows(sizes: list[str], pattern: str, vocab_size: int) -> list[dict]:
     """One dict per (size, mixer): ``size, mixer, total, non_embedding, ffn, state, deviation``."""
     rows = []
@@ -23,7 +30,7 @@ def table_rows(sizes: list[str], pattern: str, vocab_size: int) -> list[dict]:
             name, kwargs = cfg.layer_mixer(0)
             rows.append({
                 "size": size, "mixer": mixer, "total": total, "non_embedding": non_embedding,
-                "ffn": cfg.intermediate_size, "state": MIXERS[name].state_size(cfg, kwargs),
+                "ffn": _widths(cfg.intermediate_size), "state": MIXERS[name].state_size(cfg, kwargs),
                 "deviation": (non_embedding - reference) / reference,
             })
     return rows
@@ -31,11 +38,11 @@ def table_rows(sizes: list[str], pattern: str, vocab_size: int) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The rows as an aligned text table, ending with the maximum absolute deviation."""
-    head = f"{'size':>5}  {'mixer':<12} {'total':>14} {'non-embedding':>14} {'FFN':>6} {'state/layer':>12} {'dev':>9}"
+    head = f"{'size':>5}  {'mixer':<12} {'total':>14} {'non-embedding':>14} {'FFN':>15} {'state/layer':>12} {'dev':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         state = "growing" if r["state"] is None else f"{r['state']:,}"
-        lines.append(f"{r['size']:>5}  {r['mixer']:<12} {r['total']:>14,} {r['non_embedding']:>14,} {r['ffn']:>6} "
+        lines.append(f"{r['size']:>5}  {r['mixer']:<12} {r['total']:>14,} {r['non_embedding']:>14,} {r['ffn']:>15} "
                      f"{state:>12} {100 * r['deviation']:>+8.4f}%")
     worst = max(abs(r["deviation"]) for r in rows)
     lines.append(f"max non-embedding parameter deviation: {100 * worst:.4f}%")

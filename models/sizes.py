@@ -19,7 +19,7 @@ from models.registry import MIXERS
 
 REFERENCE_MIXER = "kda"
 TOLERANCE = 3e-4  # 0.03 %
-WIDTH_MULTIPLES = (256, 128, 64, 32, 16, 8, 4, 2, 1)
+WIDTH_MULTIPLES = (64, 32, 16)
 
 SIZES: dict[str, dict[str, Any]] = {
     "toy": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "window": 16},
@@ -66,24 +66,31 @@ def _counts(cfg: KDNConfig) -> tuple[int, int]:
     return _counts_cached(cfg.to_json_string(use_diff=False))
 
 
-def solve_ffn_width(cfg: KDNConfig, target: int, tolerance: float = TOLERANCE) -> int:
-    """The SwiGLU width that brings ``cfg``'s non-embedding parameters closest to ``target``.
+def solve_ffn_width(cfg: KDNConfig, target: int, tolerance: float = TOLERANCE) -> int | list[int]:
+    """The SwiGLU widths that bring ``cfg``'s non-embedding parameters within ``tolerance`` of ``target``.
 
-    The count is affine in the width (``3 d L`` per unit); the largest multiple in ``WIDTH_MULTIPLES``
-    that lands within ``tolerance`` wins, else the nearest integer width.
+    The count is affine in the widths (``3 d`` per unit of one layer's width). Widths that are multiples of 16 or
+    more keep the FFN's bf16 GEMMs on aligned tensor-core paths; a width such as 5546 does not. So the largest
+    multiple ``m`` in ``WIDTH_MULTIPLES`` wins for which the ``L`` layers, each of width ``a m`` or ``(a + 1) m``
+    (the wider ones spread evenly), land within ``tolerance``. Returns one int when every layer gets the same
+    width, else one width per layer; the nearest integer width for every layer when no multiple fits.
     """
+    if isinstance(cfg.intermediate_size, list):
+        raise ValueError("solve_ffn_width starts from one width for every layer, got a list")
     _, base = _counts(cfg)
-    per_unit = 3 * cfg.hidden_size * cfg.num_layers
-    exact = cfg.intermediate_size + (target - base) / per_unit
+    L, w0, per_unit = cfg.num_layers, cfg.intermediate_size, 3 * cfg.hidden_size
+    exact = w0 + (target - base) / (per_unit * L)
     if exact < 1:
-        raise ValueError(f"mixer {cfg.mixer!r} has {base - per_unit * cfg.intermediate_size} non-FFN parameters, "
+        raise ValueError(f"mixer {cfg.mixer!r} has {base - per_unit * L * w0} non-FFN parameters, "
                          f"more than the reference total {target}: no positive FFN width matches; use a larger size "
                          "or set intermediate_size explicitly")
-    for multiple in WIDTH_MULTIPLES:
-        width = max(multiple, round(exact / multiple) * multiple)
-        deviation = abs(base + (width - cfg.intermediate_size) * per_unit - target) / target
-        if deviation <= tolerance / 3:
-            return width
+    for m in WIDTH_MULTIPLES:
+        low, extra = divmod(round(exact * L / m), L)
+        if low < 1:
+            continue
+        widths = [(low + (i + 1) * extra // L - i * extra // L) * m for i in range(L)]
+        if abs(base + (sum(widths) - L * w0) * per_unit - target) / target <= tolerance:
+            return widths[0] if extra == 0 else widths
     return max(1, round(exact))
 
 

@@ -276,6 +276,9 @@ def test_parameter_matching_within_tolerance(size: str) -> None:
         cfg = model_config(size, mixer)
         non_embedding = parameter_counts(cfg)[1]
         assert abs(non_embedding - reference) / reference <= TOLERANCE, (mixer, non_embedding, reference)
+        # aligned FFN GEMMs: every width a multiple of 16 (64 where it fits), two neighbouring widths at most
+        widths = [cfg.ffn_width(i) for i in range(cfg.num_layers)]
+        assert all(w % 16 == 0 for w in widths) and max(widths) - min(widths) <= 64, (mixer, widths)
     assert recurrent_state_size(model_config(size, "mamba3_siso")) == recurrent_state_size(model_config(size, "kda"))
     assert recurrent_state_size(model_config(size, "mamba3_mimo")) == recurrent_state_size(model_config(size, "kda"))
 
@@ -287,6 +290,20 @@ def test_paper_backbones() -> None:
             layers, d, heads, 128, 32000)
         assert cfg.window == 2048
     assert model_config("toy", "kda", vocab_size=1000).vocab_size == 1000
+
+
+def test_per_layer_ffn_widths_build_save_and_load(tmp_path) -> None:
+    cfg = model_config("toy", "kdn_diag", intermediate_size=[96, 160])
+    model = build_model(cfg)
+    assert [b.mlp.up_proj.out_features for b in model.model.layers] == [96, 160]
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert loaded.config.intermediate_size == [96, 160]
+    assert [b.mlp.down_proj.in_features for b in loaded.model.layers] == [96, 160]
+    with pytest.raises(ValueError, match="intermediate_size lists 3 widths for 2 layers"):
+        model_config("toy", "kda", intermediate_size=[64, 64, 64])
+    with pytest.raises(ValueError, match="intermediate_size must be a positive int or a list"):
+        model_config("toy", "kda", intermediate_size=[64, 0])
 
 
 def test_meta_build_allocates_nothing() -> None:
