@@ -6,6 +6,8 @@ forward + backward + optimiser step after warm-up, then profiles one. Per mixer 
 the share of the step the device is busy (kernel time summed over the step; well under 100% means the host or a
 sync starves it), the allocator's retries (cudaFree and retry, which synchronise), peak memory, and the top
 kernels by device time (CPU: operators). Writes ``--out`` (default ``bench/results/profile_step.json``).
+``--ffn-width 5546`` gives every layer one SwiGLU width instead of the parameter-matched aligned widths, to
+measure what an unaligned width costs.
 A layer that is fast alone (bench.mixer_throughput) but slow here shows which of these differs.
 """
 from __future__ import annotations
@@ -43,10 +45,13 @@ def sync(device: torch.device) -> None:
 
 
 def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, steps: int, rows: int,
-            device: torch.device) -> dict:
-    """One mixer's row: timings, allocator figures and its top kernels (or CPU operators)."""
+            device: torch.device, ffn_width: int | None = None) -> dict:
+    """One mixer's row: timings, allocator figures and its top kernels (or CPU operators). ``ffn_width`` sets one
+    SwiGLU width for every layer instead of the parameter-matched widths."""
     torch.manual_seed(0)
-    model = models.build_model(models.model_config(size, mixer, backbone, vocab)).to(device)
+    overrides = {} if ffn_width is None else {"intermediate_size": ffn_width}
+    cfg = models.model_config(size, mixer, backbone, vocab, **overrides)
+    model = models.build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(3, vocab, (B, T), device=device)
     step = step_fn(model, opt, ids)
@@ -62,6 +67,7 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
     sync(device)
     ms = (time.perf_counter() - start) / steps * 1e3
     row = {"mixer": mixer, "size": size, "backbone": backbone, "batch": B, "seq_len": T,
+           "ffn_widths": sorted(set(cfg.ffn_width(i) for i in range(cfg.num_layers))),
            "params": sum(p.numel() for p in model.parameters()), "ms_step": ms, "tokens_per_s": B * T / ms * 1e3}
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
@@ -91,13 +97,15 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'mixer':<14}{'ms/step':>10}{'tok/s':>10}{'busy':>7}{'retries':>9}{'peak GiB':>10}{'reserved':>10}")
+    print(f"\n{'mixer':<14}{'FFN widths':>12}{'ms/step':>10}{'tok/s':>10}{'busy':>7}{'retries':>9}{'peak GiB':>10}"
+          f"{'reserved':>10}")
     for r in rows:
         busy = f"{r['device_busy_frac']:.0%}" if "device_busy_frac" in r else "-"
         retries = f"{r['alloc_retries_per_step']:.1f}" if "alloc_retries_per_step" in r else "-"
         peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
         res = f"{r['peak_reserved_gib']:.1f}" if "peak_reserved_gib" in r else "-"
-        print(f"{r['mixer']:<14}{r['ms_step']:>10.1f}{r['tokens_per_s']:>10.0f}{busy:>7}{retries:>9}{peak:>10}{res:>10}")
+        widths = "/".join(map(str, r["ffn_widths"]))
+        print(f"{r['mixer']:<14}{widths:>12}{r['ms_step']:>10.1f}{r['tokens_per_s']:>10.0f}{busy:>7}{retries:>9}{peak:>10}{res:>10}")
     for r in rows:
         print(f"\n{r['mixer']}: top {'kernels' if 'device_busy_ms' in r else 'operators'} in one step")
         for t in r["top"]:
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--ffn-width", type=int, help="one SwiGLU width for every layer (e.g. an unaligned 5546)")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     for mixer in args.mixers:
         try:
             row = measure(args.size, mixer, args.backbone, args.vocab, args.batch, args.seq_len, args.steps,
-                          args.rows, device)
+                          args.rows, device, args.ffn_width)
         except Exception as e:  # one mixer that cannot run here (kernels missing, out of memory) is its error row
             row = {"mixer": mixer, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows.append(row)

@@ -171,3 +171,6 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
     assert rows[0]["mixer"] == "kdn_iso" and rows[0]["ms_step"] > 0 and len(rows[0]["top"]) == 3
     assert rows[0]["tokens_per_s"] == pytest.approx(64 / rows[0]["ms_step"] * 1e3)
     assert rows[1] == {"mixer": "nope", "error": rows[1]["error"]} and "unknown mixer 'nope'" in rows[1]["error"]
+    main(["--size", "toy", "--mixers", "kda", "--seq-len", "32", "--batch", "2", "--steps", "1", "--vocab", "256",
+          "--device", "cpu", "--ffn-width", "90", "--out", str(out)])
+    assert json.loads(out.read_text())["results"][0]["ffn_widths"] == [90]
