@@ -24,9 +24,10 @@
 #                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
 #                  --out /tmp/warm.json")
 # The device image lacks fla: carry its wheels in .whl/, or the folder WHEELS names (`pip download --no-deps
-# flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune results for that stack; restoring
-# them skips most first-call autotuning (several minutes per fla op otherwise). The new results come back as
-# $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ is set).
+# flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune
+# results for that stack; restoring them skips most first-call autotuning (several minutes per fla op otherwise).
+# The new results come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ
+# is set). Setting up the wheels and the cache: bench/device_env.sh.
 # bench/device_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
 # first (DEVICE_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
@@ -35,25 +36,20 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/device}
 LOG=${LOG:-$OUT/device.log}
 mkdir -p "$OUT"
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} PYTHONUNBUFFERED=1 WANDB_MODE=offline
-WHEELS=${WHEELS:-.whl}
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  if [ -z "${DEVICE_PREPARED:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "$WHEELS"/*.whl || exit 1
-  fi
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-if [ -z "${DEVICE_PREPARED:-}" ]; then
-  mkdir -p "$TRITON_CACHE_DIR"
-  for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
-fi
+# shellcheck source=bench/device_env.sh
+. bench/device_env.sh
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+device_prepare || exit 1
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
 } 2>&1 | grep -v Warn | tee -a "$LOG"
 rc=0
+stage_arg() {  # stage, name: what follows "name=" in the stage, or nothing
+  local a=${1#"$2"}
+  echo "${a#=}"
+}
 run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $STAGE_S
   local name=$1; shift
   local var; var="$(echo "${name%% *}" | tr '[:lower:]' '[:upper:]')_S"
@@ -74,8 +70,7 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
 for stage in "$@"; do
   case "$stage" in
     kernels|kernels=*)
-      expr=${stage#kernels}
-      expr=${expr#=}
+      expr=$(stage_arg "$stage" kernels)
       # shellcheck disable=SC2086
       run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
         python3 -m pytest -q \
@@ -91,8 +86,7 @@ for stage in "$@"; do
       run_stage "warm ${stage#warm=}" python3 -m bench.warm_triton --workers "${WARM_WORKERS:-12}" -m ${stage#warm=}
       ;;
     throughput|throughput=*)
-      args=${stage#throughput}
-      args=${args#=}
+      args=$(stage_arg "$stage" throughput)
       # shellcheck disable=SC2086
       run_stage throughput python3 -m bench.mixer_throughput \
         ${args:-${BENCH_ARGS:---mixers kdn_diag kdn_iso kda --T 8192 32768}} --out "$OUT/mixer_throughput.json"
@@ -104,8 +98,7 @@ for stage in "$@"; do
       done
       ;;
     profile_step|profile_step=*)
-      args=${stage#profile_step}
-      args=${args#=}
+      args=$(stage_arg "$stage" profile_step)
       # shellcheck disable=SC2086
       n_profile=$(( ${n_profile:-0} + 1 ))
       run_stage profile_step python3 -m bench.profile_step ${args} --out "$OUT/profile_step_$n_profile.json"
@@ -135,7 +128,5 @@ for stage in "$@"; do
       ;;
   esac
 done
-if [ -z "${NO_AUTOTUNE_TGZ:-}" ]; then
-  (cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$OUT/autotune.tgz"
-fi
+[ -n "${NO_AUTOTUNE_TGZ:-}" ] || pack_autotune "$OUT/autotune.tgz"
 exit $rc

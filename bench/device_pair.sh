@@ -14,14 +14,10 @@ cd "$(dirname "$0")/.."
 R=${OUT:-bench/results/device_pair}
 W=$(mktemp -d)
 mkdir -p "$R"
-WHEELS=${WHEELS:-.whl}
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl || exit 1
-fi
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton} DEVICE_PREPARED=1 NO_AUTOTUNE_TGZ=1
-mkdir -p "$TRITON_CACHE_DIR"
-for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
+# shellcheck source=bench/device_env.sh
+. bench/device_env.sh
+device_prepare || exit 1
+export DEVICE_PREPARED=1 NO_AUTOTUNE_TGZ=1
 PAIR_S=${PAIR_S:-560}
 if [ -n "${3:-}" ]; then PAIR1_S=${PAIR1_S:-300}; else PAIR1_S=$PAIR_S; fi
 
@@ -45,5 +41,5 @@ if [ -n "${3:-}" ]; then
   group both 0,1 $((PAIR_S - (SECONDS - START))) "$3" || rc=$?
 fi
 tar czf "$R/results.tgz" -C "$W" .
-(cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$R/autotune.tgz"
+pack_autotune "$R/autotune.tgz"
 exit $rc

@@ -284,5 +284,6 @@ def main() -> None:
     plot(rows, args.out.with_suffix(".png"))
     report(rows)
 
+
 if __name__ == "__main__":
     main()

@@ -36,7 +36,10 @@ case "${1:-}" in
     python -m trainer.summarize runs/gpu_parity_1gpu --json runs/gpu_parity_1gpu/summary.json
     ;;
   parity2)
-    [ -f runs/gpu_parity_1gpu/metrics.jsonl ] || { echo "parity2 compares with runs/gpu_parity_1gpu: run parity1 first" >&2; exit 2; }
+    if [ ! -f runs/gpu_parity_1gpu/metrics.jsonl ]; then
+      echo "parity2 compares with runs/gpu_parity_1gpu: run parity1 first" >&2
+      exit 2
+    fi
     rm -rf runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
     accelerate launch --multi_gpu --num_processes 2 train.py \
       experiment=gpu_parity_100m name=gpu_parity_2gpu "${DATA[@]}"
