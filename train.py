@@ -68,11 +68,12 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, accelerator: Accelerator, loader: TokenLoader, n_batches: int) -> float:
-    """Mean validation loss over the first ``n_batches`` batches of the (unshuffled) val split: the same
-    tokens at every evaluation; every process runs the same number of forwards."""
+    """Mean validation loss over the first ``n_batches`` micro-batches of the (unshuffled) val split, counted
+    over all processes: each of W runs ``ceil(n_batches / W)``, which with the loader's rank blocks covers the
+    same windows at any world size (when W divides ``n_batches``) and at every evaluation."""
     model.eval()
     total, n = torch.zeros((), device=accelerator.device), 0
-    for batch in itertools.islice(loader, n_batches):
+    for batch in itertools.islice(loader, -(-n_batches // accelerator.num_processes)):
         total += model(**to_device(batch, accelerator.device)).loss.float()
         n += 1
     model.train()

@@ -18,7 +18,8 @@
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
-#   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT
+#   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
+#                  `parity2=fsdp` (or ddp) runs one of them
 #   warm=MODULE ARGS  bench.warm_triton: the workload `python -m MODULE ARGS` in WARM_WORKERS (12) processes that
 #                  compile their share of every autotune configuration, so that a later stage running the same
 #                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
@@ -73,7 +74,7 @@ for stage in "$@"; do
       expr=$(stage_arg "$stage" kernels)
       # shellcheck disable=SC2086
       run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
-        python3 -m pytest -q \
+        python3 -m pytest -v \
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
@@ -114,8 +115,10 @@ for stage in "$@"; do
         [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
       done
       ;;
-    parity1|parity2)
-      run_stage "$stage" bash slurm/gpu_checks.sh "$stage"
+    parity1|parity2|parity2=*)
+      modes=""
+      [[ $stage == parity2=* ]] && modes=$(stage_arg "$stage" parity2)
+      run_stage "$stage" bash slurm/gpu_checks.sh "${stage%%=*}" ${modes:+"$modes"}
       for r in runs/gpu_parity_*; do
         [ -d "$r" ] && mkdir -p "$OUT/$(basename "$r")" && cp "$r"/{summary,compare}.json "$r"/metrics.jsonl \
           "$OUT/$(basename "$r")/" 2>/dev/null
@@ -123,7 +126,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput[=ARGS] profile train100m" \
-        "throughput750m parity1 parity2 profile_step[=ARGS] env=NAME=VALUE" >&2
+        "throughput750m parity1 parity2[=ddp|fsdp] profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

@@ -7,7 +7,9 @@ the share of the step the device is busy (kernel time summed over the step; well
 sync starves it), the allocator's retries (cudaFree and retry, which synchronise), peak memory, and the top
 kernels by device time (CPU: operators). Writes ``--out`` (default ``bench/results/profile_step.json``).
 ``--ffn-width 5546`` gives every layer one SwiGLU width instead of the parameter-matched aligned widths, to
-measure what an unaligned width costs.
+measure what an unaligned width costs. On CUDA it uses train.py's matmul settings (TF32 for FP32 matmuls), reports
+MFU as train.py counts it, and sums every kernel of the profiled step into groups (matmul, recurrence and gates,
+norms, element-wise PyTorch ops, ...) to show where a step's time goes.
 A layer that is fast alone (bench.mixer_throughput) but slow here shows which of these differs.
 """
 from __future__ import annotations
@@ -24,6 +26,29 @@ from torch.profiler import ProfilerActivity, profile
 
 import models
 from bench.mixer_throughput import RESULTS, write_atomic
+from trainer.distributed import cuda_matmul_defaults
+from trainer.metrics import peak_flops
+
+# Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
+# mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other".
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma")),
+    ("optimiser", ("multi_tensor_apply", "adam")),
+    ("pytorch elementwise/copy/reduce", ("at::native", "void at::")),
+    ("norms", ("norm",)),
+    ("swiglu", ("swiglu",)),
+    ("short conv", ("conv1d",)),
+    ("cross-entropy", ("cross_entropy", "logsumexp", "elementwise_mul_kernel")),
+)
+RECURRENCE = "recurrence and gates (Triton)"
+
+
+def kernel_group(name: str) -> str:
+    """The group of a CUDA kernel's name (see ``KERNEL_GROUPS``)."""
+    for group, keys in KERNEL_GROUPS:
+        if any(k in name for k in keys):
+            return group
+    return "other" if name.startswith("void ") else RECURRENCE
 
 
 def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor):
@@ -69,6 +94,9 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
     row = {"mixer": mixer, "size": size, "backbone": backbone, "batch": B, "seq_len": T,
            "ffn_widths": sorted(set(cfg.ffn_width(i) for i in range(cfg.num_layers))),
            "params": sum(p.numel() for p in model.parameters()), "ms_step": ms, "tokens_per_s": B * T / ms * 1e3}
+    peak = peak_flops(device, "bf16", None)
+    if peak is not None:
+        row["mfu"] = row["tokens_per_s"] * models.count_flops_per_token(cfg, T) / peak
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         row |= {"alloc_retries_per_step": (stats.get("num_alloc_retries", 0) - retries0) / steps,
@@ -84,6 +112,10 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
         busy = sum(e.self_device_time_total for e in kernels) / 1e3
         row["device_busy_ms"] = busy
         row["device_busy_frac"] = busy / ms
+        groups: dict[str, float] = {}
+        for e in kernels:
+            groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
+        row["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
         key = "self_device_time_total"
     else:
         kernels = [e for e in events if e.key.startswith("aten::")]
@@ -97,15 +129,23 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'mixer':<14}{'FFN widths':>12}{'ms/step':>10}{'tok/s':>10}{'busy':>7}{'retries':>9}{'peak GiB':>10}"
-          f"{'reserved':>10}")
+    print(f"\n{'mixer':<14}{'FFN widths':>12}{'ms/step':>10}{'tok/s':>10}{'MFU':>7}{'busy':>7}{'retries':>9}"
+          f"{'peak GiB':>10}{'reserved':>10}")
     for r in rows:
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         busy = f"{r['device_busy_frac']:.0%}" if "device_busy_frac" in r else "-"
         retries = f"{r['alloc_retries_per_step']:.1f}" if "alloc_retries_per_step" in r else "-"
         peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
         res = f"{r['peak_reserved_gib']:.1f}" if "peak_reserved_gib" in r else "-"
         widths = "/".join(map(str, r["ffn_widths"]))
-        print(f"{r['mixer']:<14}{widths:>12}{r['ms_step']:>10.1f}{r['tokens_per_s']:>10.0f}{busy:>7}{retries:>9}{peak:>10}{res:>10}")
+        print(f"{r['mixer']:<14}{widths:>12}{r['ms_step']:>10.1f}{r['tokens_per_s']:>10.0f}{mfu:>7}{busy:>7}{retries:>9}"
+              f"{peak:>10}{res:>10}")
+    grouped = [r for r in rows if "groups_ms" in r]
+    if grouped:
+        names = list(dict.fromkeys(g for r in grouped for g in r["groups_ms"]))
+        print(f"\n{'device ms per step':<34}" + "".join(f"{r['mixer']:>12}" for r in grouped))
+        for g in names:
+            print(f"{g:<34}" + "".join(f"{r['groups_ms'].get(g, 0.0):>12.1f}" for r in grouped))
     for r in rows:
         print(f"\n{r['mixer']}: top {'kernels' if 'device_busy_ms' in r else 'operators'} in one step")
         for t in r["top"]:
@@ -127,9 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        cuda_matmul_defaults()
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-              "autocast": "bf16" if device.type == "cuda" else None, "steps": args.steps}
+              "autocast": "bf16" if device.type == "cuda" else None, "steps": args.steps,
+              "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}
     rows: list[dict] = []
     for mixer in args.mixers:
         try:

@@ -4,7 +4,7 @@
 #   slurm/gpu_checks.sh throughput  # one GPU: 750M kdn_diag / kdn_iso / kda side by side
 #   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves (= parity1, parity2)
 #   slurm/gpu_checks.sh parity1     # its one-GPU reference run alone (it may run beside other work)
-#   slurm/gpu_checks.sh parity2     # its two-GPU runs, compared with the reference run
+#   slurm/gpu_checks.sh parity2 ["ddp fsdp"]  # its two-GPU runs (default both), each compared with the reference
 # Results: the summary tables printed at the end, and runs/<name>/summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,16 +40,22 @@ case "${1:-}" in
       echo "parity2 compares with runs/gpu_parity_1gpu: run parity1 first" >&2
       exit 2
     fi
-    rm -rf runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
-    accelerate launch --multi_gpu --num_processes 2 train.py \
-      experiment=gpu_parity_100m name=gpu_parity_2gpu "${DATA[@]}"
-    accelerate launch --multi_gpu --num_processes 2 train.py \
-      experiment=gpu_parity_100m name=gpu_parity_2gpu_fsdp trainer.distributed=fsdp "${DATA[@]}"
-    python -m trainer.summarize runs/gpu_parity_1gpu runs/gpu_parity_2gpu runs/gpu_parity_2gpu_fsdp
-    python -m trainer.summarize --compare runs/gpu_parity_1gpu runs/gpu_parity_2gpu \
-      --json runs/gpu_parity_2gpu/compare.json
-    python -m trainer.summarize --compare runs/gpu_parity_1gpu runs/gpu_parity_2gpu_fsdp \
-      --json runs/gpu_parity_2gpu_fsdp/compare.json
+    runs=(runs/gpu_parity_1gpu) rc=0
+    for mode in ${2:-ddp fsdp}; do
+      case "$mode" in
+        ddp) name=gpu_parity_2gpu ;;
+        fsdp) name=gpu_parity_2gpu_fsdp ;;
+        *) echo "parity2 modes: ddp fsdp (got $mode)" >&2; exit 2 ;;
+      esac
+      rm -rf "runs/$name"
+      accelerate launch --multi_gpu --num_processes 2 train.py \
+        experiment=gpu_parity_100m name="$name" trainer.distributed="$mode" "${DATA[@]}"
+      python -m trainer.summarize runs/gpu_parity_1gpu "runs/$name" --compare --json "runs/$name/compare.json" \
+        || rc=1
+      runs+=("runs/$name")
+    done
+    python -m trainer.summarize "${runs[@]}"
+    exit $rc
     ;;
   *)
     echo "usage: $0 100m|throughput|parity|parity1|parity2" >&2

@@ -174,3 +174,17 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
     main(["--size", "toy", "--mixers", "kda", "--seq-len", "32", "--batch", "2", "--steps", "1", "--vocab", "256",
           "--device", "cpu", "--ffn-width", "90", "--out", str(out)])
     assert json.loads(out.read_text())["results"][0]["ffn_widths"] == [90]
+
+
+def test_profile_step_kernel_groups() -> None:
+    from bench.profile_step import RECURRENCE, kernel_group
+
+    assert kernel_group("void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nt_align1>") == "matmul"
+    assert kernel_group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_group("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimiser"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == (
+        "pytorch elementwise/copy/reduce")
+    assert kernel_group("layer_norm_bwd_kernel_row") == "norms"
+    assert kernel_group("causal_conv1d_fwd_kernel") == "short conv"
+    assert kernel_group("chunk_kda_bwd_kernel_intra") == kernel_group("_diag_gain_bwd_kernel") == RECURRENCE
+    assert kernel_group("void some_library_kernel<float>") == "other"

@@ -148,7 +148,9 @@ def test_mamba3_kernel_prefill_then_decode(mimo: bool) -> None:
 @skip_if_fla_refuses
 def test_model_trains_and_generates_on_cuda(mixer: str) -> None:
     torch.manual_seed(0)
-    model = models.build_model(models.model_config("small", mixer, "hybrid_swa", vocab_size=512)).to(CUDA)
+    # one FFN width for every mixer: fla's SwiGLU kernels autotune once per width, not per parameter-matched width
+    model = models.build_model(models.model_config("small", mixer, "hybrid_swa", vocab_size=512,
+                                                   intermediate_size=512)).to(CUDA)
     x = torch.randint(3, 512, (2, 128), device=CUDA)
     model.train()
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -141,8 +141,10 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
 def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards: list[str]) -> None:
     """Same global batch: 1 process x 2 accumulation steps vs 2 processes (gloo) x 1 read the same windows per
     step (the loader gives rank r the r-th block), so the losses agree to FP32 rounding. The 2-process run
-    stops after 2 steps and one process resumes it (trainer.reshard=true) for step 3."""
-    common = [*TOY, *shards, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.export=false"]
+    stops after 2 steps and one process resumes it (trainer.reshard=true) for step 3. The validation at step 2
+    covers the same windows (trainer.eval_batches counts micro-batches over all processes)."""
+    common = [*TOY, *shards, "trainer.max_steps=3", "trainer.eval_every=2", "trainer.eval_batches=4",
+              "trainer.export=false"]
     one = run_train([*common, f"run_dir={tmp_path / 'one'}"])
     assert one["finished"]
     proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
@@ -157,6 +159,8 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
     l2 = [r["loss"] for r in records(tmp_path / "two")[0]]
     assert len(l1) == len(l2) == 3
     assert l1 == pytest.approx(l2, rel=1e-5, abs=0)
+    v1, v2 = ([r["val_loss"] for r in records(tmp_path / d)[1] if r["step"] == 2] for d in ("one", "two"))
+    assert len(v1) == len(v2) == 1 and v1 == pytest.approx(v2, rel=1e-5, abs=0)
 
 
 @pytest.mark.gpu

@@ -185,7 +185,7 @@ def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
         run.mkdir()
         rows = [{"step": s + 1, "loss": scale * x, "tokens_per_s_per_device": t, "mfu": t / 1e6,
                  "peak_mem_gib": 10.0 + s} for s, (x, t) in enumerate(zip(losses, tok_s))]
-        rows.append({"step": len(losses), "val_loss": 4.5})
+        rows.append({"step": len(losses), "val_loss": 4.5 * scale})
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     losses = [10.0 - 0.2 * s + 0.05 * (-1) ** s for s in range(30)]
@@ -196,7 +196,9 @@ def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
     row = summarize(tmp_path / "a")
     assert (row["steps"], row["first_loss"], row["last_loss"], row["val_loss"]) == (30, losses[0], losses[-1], 4.5)
     assert row["tokens_per_s_per_device"] == 5e5 + 14e3 and row["peak_mem_gib"] == 39.0
-    assert compare(tmp_path / "a", tmp_path / "b")["max_rel_gap"] == pytest.approx(0.001 / 1.001)
+    gap = compare(tmp_path / "a", tmp_path / "b")
+    assert gap["max_rel_gap"] == pytest.approx(0.001 / 1.001) == gap["val_max_rel_gap"]
+    assert gap["val_common_steps"] == 1
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--compare"]) == 0
     assert main([str(tmp_path / "a"), str(tmp_path / "c"), "--compare"]) == 1
     assert main([str(tmp_path / "a"), str(tmp_path / "c"), "--json", str(tmp_path / "s.json")]) == 0

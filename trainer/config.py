@@ -75,7 +75,7 @@ class TrainerConfig:
     max_steps: int | None = None  # overrides the token budget
     stop_after: int | None = None  # save and exit 0 after this step; the schedule keeps the full budget
     eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 8
+    eval_batches: int = 8  # validation micro-batches over all processes (each runs ceil(n / world))
     ckpt_every: int = 100  # 0: only at the end (and on stop_after/preemption); -1: not at the end either
     keep_last: int = 2
     distributed: str = "ddp"  # ddp or fsdp (FSDP2 through accelerate)

@@ -36,6 +36,13 @@ def world_size(t: TrainerConfig) -> int:
     return PartialState(cpu=cpu).num_processes
 
 
+def cuda_matmul_defaults() -> None:
+    """TF32 for the FP32 matmuls left under bf16 autocast (e.g. fla's fused cross-entropy accumulates the LM
+    head's weight gradient in FP32: a SIMT GEMM without TF32). Training and its benchmarks share this setting."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def build_accelerator(t: TrainerConfig, grad_accum: int) -> tuple[Accelerator, str]:
     """The run's ``Accelerator`` (DDP or FSDP2, bf16 autocast or FP32, optional ``torch.compile``)
     and the resolved precision."""
@@ -47,8 +54,7 @@ def build_accelerator(t: TrainerConfig, grad_accum: int) -> tuple[Accelerator, s
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
             state_dict_type="SHARDED_STATE_DICT")
     if not cpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        cuda_matmul_defaults()
     accelerator = Accelerator(
         cpu=cpu, mixed_precision="bf16" if precision == "bf16" else "no", gradient_accumulation_steps=grad_accum,
         fsdp_plugin=fsdp, dynamo_backend="inductor" if t.compile else "no")

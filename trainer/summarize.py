@@ -46,7 +46,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
 def compare(a: Path, b: Path, window: int = 10) -> dict[str, Any]:
     """Agreement of two loss curves on their common steps, after a trailing mean over ``window`` logs:
-    the largest and the final relative gap."""
+    the largest and the final relative gap; and the largest relative gap of their validation losses at the
+    evaluations they share (``None`` without one)."""
     la = {r["step"]: r["loss"] for r in read_metrics(a)[0]}
     lb = {r["step"]: r["loss"] for r in read_metrics(b)[0]}
     steps = sorted(la.keys() & lb.keys())
@@ -59,8 +60,12 @@ def compare(a: Path, b: Path, window: int = 10) -> dict[str, Any]:
 
     sa, sb = smooth(la), smooth(lb)
     gaps = [abs(x - y) / y for x, y in zip(sa, sb)][window:]
+    va = {r["step"]: r["val_loss"] for r in read_metrics(a)[1]}
+    vb = {r["step"]: r["val_loss"] for r in read_metrics(b)[1]}
+    val_gaps = [abs(va[s] - vb[s]) / vb[s] for s in sorted(va.keys() & vb.keys())]
     return {"a": str(a), "b": str(b), "common_steps": len(steps), "max_rel_gap": max(gaps),
-            "final_rel_gap": gaps[-1], "final_loss_a": sa[-1], "final_loss_b": sb[-1]}
+            "final_rel_gap": gaps[-1], "final_loss_a": sa[-1], "final_loss_b": sb[-1],
+            "val_common_steps": len(val_gaps), "val_max_rel_gap": max(val_gaps, default=None)}
 
 
 def _fmt(x: Any) -> str:
