@@ -53,7 +53,8 @@ stage_arg() {  # stage, name: what follows "name=" in the stage, or nothing
 }
 run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $STAGE_S
   local name=$1; shift
-  local var; var="$(echo "${name%% *}" | tr '[:lower:]' '[:upper:]')_S"
+  local base=${name%% *}
+  local var; var="$(echo "${base%%=*}" | tr '[:lower:]' '[:upper:]')_S"
   local limit=${!var:-${STAGE_S:-240}}
   local left=$(( ${DEVICE_S:-560} - (SECONDS - START) - ${KILL_S:-15} - 5 ))
   if [ "$left" -lt 10 ]; then
