@@ -7,7 +7,8 @@
 # does to checkpoint at the next step, is killed KILL_S (15) seconds later):
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
-#                  (several kernels stages per call; each one's limit is KERNELS_S)
+#                  (several kernels stages per call; each one's limit is KERNELS_S); KDN_PYTEST_ARGS adds pytest
+#                  options, e.g. "-n 8" (pytest-xdist: kernels compile in 8 processes at once)
 #   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K);
 #                  `throughput=ARGS` takes ARGS instead
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
@@ -75,7 +76,7 @@ for stage in "$@"; do
       expr=$(stage_arg "$stage" kernels)
       # shellcheck disable=SC2086
       run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
-        python3 -m pytest -v \
+        python3 -m pytest -v ${KDN_PYTEST_ARGS:-} \
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;

@@ -63,13 +63,24 @@ def _files(folder: Path) -> int:
     return sum(1 for _ in folder.rglob("*")) if folder.exists() else 0
 
 
+def split_workload(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``[own options..., "-m", MODULE, module args...]`` -> (own options, MODULE, module args): everything after
+    the first ``-m MODULE`` belongs to the workload, its own ``-m`` included (``-m pytest -m gpu``)."""
+    if "-m" not in argv or argv.index("-m") == len(argv) - 1:
+        raise SystemExit("warm_triton: give the workload as -m MODULE [ARGS...]")
+    i = argv.index("-m")
+    return argv[:i], argv[i + 1], argv[i + 2:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage="%(prog)s [--workers N] -m MODULE [ARGS...]")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
                     help="worker processes (default: CPU cores - 2)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # "w/N": this process is worker w of N
-    ap.add_argument("-m", dest="module", required=True, help="the workload: a module run as with python -m")
-    args, rest = ap.parse_known_args(argv)
+    own, module, rest = split_workload(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(own)
+    args.module = module
     if args.worker:
         w, n = (int(x) for x in args.worker.split("/"))
         patch_autotuner(w, n)

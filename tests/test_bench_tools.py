@@ -188,3 +188,12 @@ def test_profile_step_kernel_groups() -> None:
     assert kernel_group("causal_conv1d_fwd_kernel") == "short conv"
     assert kernel_group("chunk_kda_bwd_kernel_intra") == kernel_group("_diag_gain_bwd_kernel") == RECURRENCE
     assert kernel_group("void some_library_kernel<float>") == "other"
+
+
+def test_warm_triton_passes_the_workload_its_own_options() -> None:
+    from bench.warm_triton import split_workload
+
+    own, module, rest = split_workload(["--workers", "3", "-m", "pytest", "-q", "-m", "gpu", "tests/x.py"])
+    assert (own, module, rest) == (["--workers", "3"], "pytest", ["-q", "-m", "gpu", "tests/x.py"])
+    with pytest.raises(SystemExit, match="-m MODULE"):
+        split_workload(["--workers", "3"])
