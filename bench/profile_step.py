@@ -8,8 +8,9 @@ sync starves it), the allocator's retries (cudaFree and retry, which synchronise
 kernels by device time (CPU: operators). Writes ``--out`` (default ``bench/results/profile_step.json``).
 ``--ffn-width 5546`` gives every layer one SwiGLU width instead of the parameter-matched aligned widths, to
 measure what an unaligned width costs. On CUDA it uses train.py's matmul settings (TF32 for FP32 matmuls), reports
-MFU as train.py counts it, and sums every kernel of the profiled step into groups (matmul, recurrence and gates,
-norms, element-wise PyTorch ops, ...) to show where a step's time goes.
+MFU as train.py counts it, sums every kernel of the profiled step into groups (matmul, recurrence and gates,
+norms, element-wise PyTorch ops, ...) to show where a step's time goes, and lists the PyTorch operators whose own
+kernels take the most device time (which op launches the copies and adds).
 A layer that is fast alone (bench.mixer_throughput) but slow here shows which of these differs.
 """
 from __future__ import annotations
@@ -116,6 +117,10 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
         for e in kernels:
             groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
         row["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+        # the PyTorch operators whose own kernels take the most device time (which op launches the copies, adds)
+        ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
+        row["top_ops"] = [{"name": e.key, "calls": e.count, "ms": e.self_device_time_total / 1e3}
+                          for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]]
         key = "self_device_time_total"
     else:
         kernels = [e for e in events if e.key.startswith("aten::")]
@@ -150,6 +155,10 @@ def report(rows: list[dict]) -> None:
         print(f"\n{r['mixer']}: top {'kernels' if 'device_busy_ms' in r else 'operators'} in one step")
         for t in r["top"]:
             print(f"  {t['name'][:80]:<82}{t['calls']:>6}{t['ms']:>10.2f} ms")
+        if r.get("top_ops"):
+            print(f"\n{r['mixer']}: PyTorch operators by the device time of their own kernels")
+            for t in r["top_ops"]:
+                print(f"  {t['name'][:80]:<82}{t['calls']:>6}{t['ms']:>10.2f} ms")
 
 
 def main(argv: list[str] | None = None) -> None:

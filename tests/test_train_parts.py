@@ -205,3 +205,16 @@ def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
     assert len(json.loads((tmp_path / "s.json").read_text())) == 2
     with pytest.raises(ValueError, match="metrics.jsonl does not exist"):
         summarize(tmp_path)
+
+
+def test_fsdp_reduces_gradients_and_returns_the_loss_in_fp32() -> None:
+    """accelerate's default FSDP2 policy under bf16 reduces gradients in bf16 and rounds the loss to bf16; ours
+    keeps bf16 parameters but FP32 reductions and outputs, also after accelerate applies its precision."""
+    from trainer.distributed import fsdp_plugin
+
+    plugin = fsdp_plugin("bf16")
+    plugin.set_mixed_precision("bf16")  # what accelerate's state does with mixed_precision="bf16"
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+        torch.bfloat16, torch.float32, torch.float32)
+    assert fsdp_plugin("fp32").mixed_precision_policy is None

@@ -43,16 +43,26 @@ def cuda_matmul_defaults() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+def fsdp_plugin(precision: str) -> FullyShardedDataParallelPlugin:
+    """FSDP2 over each block listed in the model's ``_no_split_modules``, with sharded checkpoints. In bf16 the
+    blocks compute with bf16 parameters, but gradients are reduced and the loss is returned in FP32, as under DDP
+    with autocast (accelerate's default policy reduces gradients in bf16 and rounds the loss to bf16)."""
+    policy = None
+    if precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.float32)
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=policy)
+
+
 def build_accelerator(t: TrainerConfig, grad_accum: int) -> tuple[Accelerator, str]:
     """The run's ``Accelerator`` (DDP or FSDP2, bf16 autocast or FP32, optional ``torch.compile``)
     and the resolved precision."""
     cpu, precision = resolve_device(t)
-    fsdp = None
-    if t.distributed == "fsdp":
-        # wraps each block listed in the model's ``_no_split_modules``; sharded checkpoints
-        fsdp = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-            state_dict_type="SHARDED_STATE_DICT")
+    fsdp = fsdp_plugin(precision) if t.distributed == "fsdp" else None
     if not cpu:
         cuda_matmul_defaults()
     accelerator = Accelerator(
