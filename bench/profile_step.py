@@ -71,16 +71,17 @@ def sync(device: torch.device) -> None:
 
 
 def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, steps: int, rows: int,
-            device: torch.device, ffn_width: int | None = None) -> dict:
+            device: torch.device, ffn_width: int | None = None, use_compile: bool = False) -> dict:
     """One mixer's row: timings, allocator figures and its top kernels (or CPU operators). ``ffn_width`` sets one
-    SwiGLU width for every layer instead of the parameter-matched widths."""
+    SwiGLU width for every layer instead of the parameter-matched widths; ``use_compile`` runs the model through
+    ``torch.compile`` (inductor), as ``trainer.compile=true`` does (the warm-up steps hold the compilation)."""
     torch.manual_seed(0)
     overrides = {} if ffn_width is None else {"intermediate_size": ffn_width}
     cfg = models.model_config(size, mixer, backbone, vocab, **overrides)
     model = models.build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(3, vocab, (B, T), device=device)
-    step = step_fn(model, opt, ids)
+    step = step_fn(torch.compile(model) if use_compile else model, opt, ids)
     for _ in range(3):  # warm-up: autotuning, allocator growth, optimiser state
         step()
     sync(device)
@@ -92,7 +93,7 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
         step()
     sync(device)
     ms = (time.perf_counter() - start) / steps * 1e3
-    row = {"mixer": mixer, "size": size, "backbone": backbone, "batch": B, "seq_len": T,
+    row = {"mixer": mixer, "size": size, "backbone": backbone, "batch": B, "seq_len": T, "compile": use_compile,
            "ffn_widths": sorted(set(cfg.ffn_width(i) for i in range(cfg.num_layers))),
            "params": sum(p.numel() for p in model.parameters()), "ms_step": ms, "tokens_per_s": B * T / ms * 1e3}
     peak = peak_flops(device, "bf16", None)
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ffn-width", type=int, help="one SwiGLU width for every layer (e.g. an unaligned 5546)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (as trainer.compile=true)")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     for mixer in args.mixers:
         try:
             row = measure(args.size, mixer, args.backbone, args.vocab, args.batch, args.seq_len, args.steps,
-                          args.rows, device, args.ffn_width)
+                          args.rows, device, args.ffn_width, args.compile)
         except Exception as e:  # one mixer that cannot run here (kernels missing, out of memory) is its error row
             row = {"mixer": mixer, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows.append(row)
