@@ -7,8 +7,9 @@
 # does to checkpoint at the next step, is killed KILL_S (15) seconds later):
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
-#                  (several kernels stages per call; each one's limit is KERNELS_S); KDN_PYTEST_ARGS adds pytest
-#                  options, e.g. "-n 8" (pytest-xdist: kernels compile in 8 processes at once)
+#                  (several kernels stages per call; each one's limit is KERNELS_S); KDN_PYTEST_ARGS: extra pytest
+#                  options, default "-n 10" (pytest-xdist: the tests run, and their kernels compile, in 10 processes
+#                  at once; first-call compilation bounds these runs); KDN_PYTEST_ARGS= runs them in one process
 #   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K);
 #                  `throughput=ARGS` takes ARGS instead
 #   profile        top CUDA kernels of one layer fwd+bwd at 8K (PROFILE_MIXERS, default: kdn_iso kdn_diag kda;
@@ -76,7 +77,7 @@ for stage in "$@"; do
       expr=$(stage_arg "$stage" kernels)
       # shellcheck disable=SC2086
       run_stage "kernels ${expr:-${KDN_K:-}}" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
-        python3 -m pytest -v ${KDN_PYTEST_ARGS:-} \
+        python3 -m pytest -v ${KDN_PYTEST_ARGS--n 10} \
         -p no:cacheprovider -m gpu -k "${expr:-${KDN_K:-not nothing}}" \
         ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py}
       ;;
