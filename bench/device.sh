@@ -22,6 +22,8 @@
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
 #   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
 #                  `parity2=fsdp` (or ddp) runs one of them
+#   resume2        slurm/gpu_checks.sh resume2 (two GPUs, FSDP; `resume2=ddp` for DDP): exact resume across a
+#                  sharded checkpoint and the HF export loaded back -> $OUT
 #   warm=MODULE ARGS  bench.warm_triton: the workload `python -m MODULE ARGS` in WARM_WORKERS (12) processes that
 #                  compile their share of every autotune configuration, so that a later stage running the same
 #                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
@@ -127,9 +129,16 @@ for stage in "$@"; do
           "$OUT/$(basename "$r")/" 2>/dev/null
       done
       ;;
+    resume2|resume2=*)
+      run_stage "$stage" bash slurm/gpu_checks.sh resume2 "$(stage_arg "$stage" resume2)"
+      for r in runs/gpu_resume_*; do
+        [ -d "$r" ] && mkdir -p "$OUT/$(basename "$r")" && cp "$r"/compare.json "$r"/metrics.jsonl \
+          "$OUT/$(basename "$r")/" 2>/dev/null
+      done
+      ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput[=ARGS] profile train100m" \
-        "throughput750m parity1 parity2[=ddp|fsdp] profile_step[=ARGS] env=NAME=VALUE" >&2
+        "throughput750m parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

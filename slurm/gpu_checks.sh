@@ -5,6 +5,8 @@
 #   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves (= parity1, parity2)
 #   slurm/gpu_checks.sh parity1     # its one-GPU reference run alone (it may run beside other work)
 #   slurm/gpu_checks.sh parity2 ["ddp fsdp"]  # its two-GPU runs (default both), each compared with the reference
+#   slurm/gpu_checks.sh resume2 [fsdp|ddp]    # two GPUs: exact resume (40 steps against 20 + resume + 20) and the
+#                                             # HF export of a sharded run, loaded back
 # Results: the summary tables printed at the end, and runs/<name>/summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,8 +59,29 @@ case "${1:-}" in
     python -m trainer.summarize "${runs[@]}"
     exit $rc
     ;;
+  resume2)
+    # two GPUs: 40 steps straight against 20 + resume + 20 (checkpoint at 20), then the HF export loaded back
+    mode=${2:-fsdp}
+    case "$mode" in ddp|fsdp) ;; *) echo "resume2 modes: ddp fsdp (got $mode)" >&2; exit 2 ;; esac
+    args=(experiment=gpu_parity_100m trainer.distributed="$mode" trainer.max_steps=40 trainer.ckpt_every=20
+          trainer.eval_every=20 trainer.export=true "${DATA[@]}")
+    straight=gpu_resume_${mode}_straight split=gpu_resume_${mode}_split
+    rm -rf "runs/$straight" "runs/$split"
+    launch=(accelerate launch --multi_gpu --num_processes 2 train.py "${args[@]}")
+    "${launch[@]}" name="$straight"
+    "${launch[@]}" name="$split" trainer.stop_after=20
+    "${launch[@]}" name="$split"  # resumes from its step-20 checkpoint
+    rc=0
+    python -m trainer.summarize "runs/$straight" "runs/$split" --compare --tol 0 --json "runs/$split/compare.json" \
+      || rc=1
+    python -c "import sys, models, torch; from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); x = torch.randint(3, 1000, (1, 64))
+print(sys.argv[1], f'{sum(p.numel() for p in m.parameters()):,} parameters; loss', m(x, labels=x).loss.item())" \
+      "runs/$split/hf"
+    exit $rc
+    ;;
   *)
-    echo "usage: $0 100m|throughput|parity|parity1|parity2" >&2
+    echo "usage: $0 100m|throughput|parity|parity1|parity2|resume2" >&2
     exit 2
     ;;
 esac
