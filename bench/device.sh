@@ -120,19 +120,12 @@ for stage in "$@"; do
         [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
       done
       ;;
-    parity1|parity2|parity2=*)
-      modes=""
-      [[ $stage == parity2=* ]] && modes=$(stage_arg "$stage" parity2)
-      run_stage "$stage" bash slurm/gpu_checks.sh "${stage%%=*}" ${modes:+"$modes"}
-      for r in runs/gpu_parity_*; do
+    parity1|parity2|parity2=*|resume2|resume2=*)
+      check=${stage%%=*}
+      arg=$(stage_arg "$stage" "$check")
+      run_stage "$stage" bash slurm/gpu_checks.sh "$check" ${arg:+"$arg"}
+      for r in runs/gpu_parity_* runs/gpu_resume_*; do  # each run's metrics and whichever summaries it wrote
         [ -d "$r" ] && mkdir -p "$OUT/$(basename "$r")" && cp "$r"/{summary,compare}.json "$r"/metrics.jsonl \
-          "$OUT/$(basename "$r")/" 2>/dev/null
-      done
-      ;;
-    resume2|resume2=*)
-      run_stage "$stage" bash slurm/gpu_checks.sh resume2 "$(stage_arg "$stage" resume2)"
-      for r in runs/gpu_resume_*; do
-        [ -d "$r" ] && mkdir -p "$OUT/$(basename "$r")" && cp "$r"/compare.json "$r"/metrics.jsonl \
           "$OUT/$(basename "$r")/" 2>/dev/null
       done
       ;;

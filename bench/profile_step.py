@@ -116,7 +116,8 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
         row["device_busy_frac"] = busy / ms
         groups: dict[str, float] = {}
         for e in kernels:
-            groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
+            group = kernel_group(e.key)
+            groups[group] = groups.get(group, 0.0) + e.self_device_time_total / 1e3
         row["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
         # the PyTorch operators whose own kernels take the most device time (which op launches the copies, adds)
         ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
