@@ -13,7 +13,7 @@ from models.sizes import REFERENCE_MIXER, SIZES, model_config, parameter_counts
 
 
 def _widths(w: int | list[int]) -> str:
-    """One width, or the distinct per-layer widths and how many layers have each (``5504x6/5568x10``)."""
+    """One width, or the distinct per-layer widths and how many layers have each (``5504x5/5568x11``)."""
     if isinstance(w, int):
         return str(w)
     return "/".join(f"{v}x{w.count(v)}" for v in sorted(set(w)))
