@@ -136,6 +136,19 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, None, eps=self.eps)
         return self.normed(x).to(x.dtype)
 
+    def add_norm(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """A pre-norm residual step: ``residual' = residual + x`` (``x`` alone when ``residual`` is ``None``),
+        kept in at least FP32, and ``RMSNorm(residual')`` in ``x``'s dtype. ``x, residual: [..., D]``; returns
+        ``(normed, residual')``. Under autocast ``x`` (a sublayer's output) is bf16, so the sublayers read bf16
+        and the stream stays FP32; on CUDA the add and the norm are one fused pass each way."""
+        if fla_fused(x):
+            from fla.modules.norm.layernorm import rms_norm
+
+            return rms_norm(x, self.weight, None, residual=residual, eps=self.eps, prenorm=True,
+                            residual_in_fp32=True)
+        res = upcast(x) if residual is None else residual + x
+        return self.normed(res).to(x.dtype), res
+
 
 class GatedRMSNorm(RMSNorm):
     """Per-head RMSNorm whose output is multiplied by ``act(gate)``; ``x, gate: [..., D]``.

@@ -1,6 +1,7 @@
 """``KDNForCausalLM``: embedding, pre-norm blocks (mixer + SwiGLU), final norm, LM head.
 
-Block: ``h = h + mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))``. Registered with ``AutoConfig``
+Block: ``h = h + mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))``, with the stream ``h`` in FP32 and each add
+inside the blocks fused into the norm after it. Registered with ``AutoConfig``
 and ``AutoModelForCausalLM`` (``model_type = "kdn_lm"``) when :mod:`models` is imported, so
 ``AutoModelForCausalLM.from_pretrained(path)`` needs no ``trust_remote_code``.
 """
@@ -57,7 +58,8 @@ class SwiGLU(nn.Module):
 
 
 class KDNBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block: mixer then SwiGLU FFN."""
+    """Pre-norm residual block: mixer then SwiGLU FFN, carrying the residual stream apart from the sublayer
+    outputs (as fla and Mamba do) so that each add and the norm after it are one fused pass."""
 
     def __init__(self, config: KDNConfig, layer_idx: int) -> None:
         super().__init__()
@@ -68,14 +70,18 @@ class KDNBlock(GradientCheckpointingLayer):
         self.mlp = SwiGLU(config.hidden_size, config.ffn_width(layer_idx))
 
     def forward(
-        self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache: KDNCache | None = None,
-        use_cache: bool = False, cu_seqlens: Tensor | None = None, output_beta_eff: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        o, beta_eff, _ = self.mixer(self.mixer_norm(hidden_states), attention_mask=attention_mask,
-                                    past_key_values=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
-                                    output_beta_eff=output_beta_eff)
-        h = hidden_states + o
-        return h + self.mlp(self.mlp_norm(h)), beta_eff
+        self, hidden_states: Tensor, residual: Tensor | None = None, attention_mask: Tensor | None = None,
+        cache: KDNCache | None = None, use_cache: bool = False, cu_seqlens: Tensor | None = None,
+        output_beta_eff: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``hidden_states [B, T, d]``: the previous sublayer's output (the embeddings for the first block);
+        ``residual [B, T, d]``: the stream before it (``None`` for the first block). Returns this block's FFN
+        output, the stream before it (their sum is the block's output) and ``beta_eff``."""
+        x, residual = self.mixer_norm.add_norm(hidden_states, residual)
+        o, beta_eff, _ = self.mixer(x, attention_mask=attention_mask, past_key_values=cache, use_cache=use_cache,
+                                    cu_seqlens=cu_seqlens, output_beta_eff=output_beta_eff)
+        x, residual = self.mlp_norm.add_norm(o, residual)
+        return self.mlp(x), residual, beta_eff
 
 
 class KDNPreTrainedModel(PreTrainedModel):
@@ -135,14 +141,18 @@ class KDNModel(KDNPreTrainedModel):
             check_cu_seqlens(cu_seqlens, T, B)
         if use_cache and cache is None:
             cache = KDNCache()
-        betas = []
+        betas, residual = [], None
         for layer in self.layers:
-            h, beta = layer(h, attention_mask=attention_mask, cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
-                            output_beta_eff=output_beta_eff)
+            h, residual, beta = layer(h, residual, attention_mask=attention_mask, cache=cache, use_cache=use_cache,
+                                      cu_seqlens=cu_seqlens, output_beta_eff=output_beta_eff)
             betas.append(beta)
         if use_cache:
             cache.seen_tokens += T
-        return self.norm(h), cache, (tuple(betas) if output_beta_eff else None)
+        # the last add is a plain FP32 add: fla's fused add + norm faults here under FSDP2 (illegal memory access,
+        # Triton 3.6, H200; bench/RESULTS.md, session 6) though it runs in every block; one add costs ~0.1% of a step.
+        # The norm comes back in the sublayers' dtype, as add_norm's: the LM head's under FSDP2 (no autocast there)
+        out = self.norm(h if residual is None else residual + h).to(h.dtype)
+        return out, cache, (tuple(betas) if output_beta_eff else None)
 
 
 def shifted_labels(labels: Tensor, attention_mask: Tensor | None, cu_seqlens: Tensor | None) -> Tensor:

@@ -159,6 +159,51 @@ def test_mamba3_kernel_prefill_then_decode(mimo: bool) -> None:
     assert rel_err(torch.cat(parts, 1), full) < 3e-2
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+ADD_NORM_CASES = {  # (sublayer output x, stream, weight): where each combination occurs
+    "one_gpu_first": (F32, None, F32),  # autocast: FP32 embeddings, FP32 weights
+    "one_gpu_later": (BF16, F32, F32),  # autocast: bf16 sublayer output on the FP32 stream
+    "fsdp_first": (BF16, None, BF16),  # FSDP2: bf16 parameters, so bf16 embeddings
+    "fsdp_later": (BF16, F32, BF16),
+    "fp32_everything_bf16_weight": (F32, F32, BF16),  # FSDP2 with FP32 block outputs (accelerate-cast policies)
+}
+
+
+@pytest.mark.parametrize("case", list(ADD_NORM_CASES))
+def test_fused_add_norm_matches_pytorch(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RMSNorm.add_norm`` through fla's fused prenorm kernel against the PyTorch path, for each dtype combination
+    that training meets (``ADD_NORM_CASES``): the normed output, the new stream, and the gradients of the
+    sublayer output, the stream and the weight."""
+    from kdn import modules
+
+    x_dtype, s_dtype, w_dtype = ADD_NORM_CASES[case]
+    torch.manual_seed(0)
+    norm = modules.RMSNorm(1536).to(CUDA)
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.to(w_dtype)
+    x0 = torch.randn(4, 300, 1536, device=CUDA, dtype=x_dtype)
+    s0 = None if s_dtype is None else torch.randn(4, 300, 1536, device=CUDA, dtype=s_dtype)
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    wy, wr = (torch.randn(x0.shape, generator=gen, device=CUDA) for _ in range(2))
+    res = {}
+    for fused in (False, True):
+        monkeypatch.setattr(modules, "FLA_FUSED", fused)
+        norm.zero_grad()
+        x = x0.clone().requires_grad_()
+        s = s0.clone().requires_grad_() if s0 is not None else None
+        y, r = norm.add_norm(x, s)
+        torch.cuda.synchronize()
+        assert y.dtype == x_dtype and r.dtype == torch.float32, (y.dtype, r.dtype)
+        ((y.float() * wy).sum() + (r * wr).sum()).backward()
+        torch.cuda.synchronize()
+        res[fused] = {"y": y.detach(), "stream": r.detach(), "dx": x.grad, "dw": norm.weight.grad}
+        if s is not None:
+            res[fused]["dstream"] = s.grad
+    errs = {n: rel_err(res[True][n], res[False][n]) for n in res[False]}
+    tol = 1e-5 if BF16 not in (x_dtype, w_dtype) else 1e-2  # FP32 end to end; bf16 rounding
+    assert all(e < tol for e in errs.values()), errs
+
+
 @pytest.mark.parametrize("mixer", list(models.MIXERS))
 @skip_if_fla_refuses
 def test_model_trains_and_generates_on_cuda(mixer: str) -> None:

@@ -51,6 +51,36 @@ def test_trains_on_cpu(mixer: str, pattern: str) -> None:
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_blocks_compute_the_textbook_prenorm_residual(pattern: str) -> None:
+    """The blocks carry the residual stream apart from the sublayer outputs (the add fused into the next norm);
+    the hidden states must equal the textbook ``h = h + mixer(norm(h)); h = h + mlp(norm(h))`` bit for bit."""
+    model = _model("kdn_diag", pattern, torch.float32)
+    x = _tokens(2, 20)
+    h = model.model.embeddings(x)
+    with torch.no_grad():
+        for block in model.model.layers:
+            h = h + block.mixer(block.mixer_norm(h))[0]
+            h = h + block.mlp(block.mlp_norm(h))
+        ref = model.model.norm(h)
+        out = model.model(x)[0]
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ref)
+
+
+def test_add_norm_keeps_the_stream_in_fp32() -> None:
+    """``add_norm`` returns the norm in the sublayer output's dtype and the stream in at least FP32."""
+    norm = models.layers.common.RMSNorm(8)
+    o = torch.randn(3, 8).to(torch.bfloat16)
+    stream = torch.randn(3, 8)
+    y, res = norm.add_norm(o, stream)
+    assert y.dtype == torch.bfloat16 and res.dtype == torch.float32
+    torch.testing.assert_close(res, stream + o.float())
+    torch.testing.assert_close(y, norm(res).to(torch.bfloat16))
+    y0, res0 = norm.add_norm(o, None)
+    assert res0.dtype == torch.float32 and torch.equal(res0, o.float())
+
+
 @pytest.mark.parametrize(("mixer", "pattern"), ALL)
 def test_causal(mixer: str, pattern: str) -> None:
     model = _model(mixer, pattern)
