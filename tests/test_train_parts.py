@@ -207,14 +207,15 @@ def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
         summarize(tmp_path)
 
 
-def test_fsdp_reduces_gradients_and_returns_the_loss_in_fp32() -> None:
-    """accelerate's default FSDP2 policy under bf16 reduces gradients in bf16 and rounds the loss to bf16; ours
-    keeps bf16 parameters but FP32 reductions and outputs, also after accelerate applies its precision."""
+def test_fsdp_reduces_in_fp32_and_keeps_the_stream_dtypes() -> None:
+    """accelerate's default FSDP2 policy under bf16 reduces gradients in bf16 and casts every block's inputs and
+    outputs (the FP32 residual stream, the loss) to bf16; ours keeps bf16 parameters but FP32 reductions and
+    leaves the blocks' inputs and outputs as they are, also after accelerate applies its precision."""
     from trainer.distributed import fsdp_plugin
 
     plugin = fsdp_plugin("bf16")
     plugin.set_mixed_precision("bf16")  # what accelerate's state does with mixed_precision="bf16"
     policy = plugin.mixed_precision_policy
-    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
-        torch.bfloat16, torch.float32, torch.float32)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs) == (
+        torch.bfloat16, torch.float32, None, False)
     assert fsdp_plugin("fp32").mixed_precision_policy is None

@@ -75,6 +75,7 @@ class Checkpointer:
             tmp.mkdir()
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp), safe_serialization=False)  # torch.save keeps tied weights as they are
+        accelerator.wait_for_everyone()  # every rank's files (its RNG states) are written before the rename
         if accelerator.is_main_process:
             write_json_atomic(tmp / STATE_FILE, asdict(state))
             if final.exists():  # re-saving the step we resumed from: replace it whole

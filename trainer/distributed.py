@@ -45,14 +45,15 @@ def cuda_matmul_defaults() -> None:
 
 def fsdp_plugin(precision: str) -> FullyShardedDataParallelPlugin:
     """FSDP2 over each block listed in the model's ``_no_split_modules``, with sharded checkpoints. In bf16 the
-    blocks compute with bf16 parameters, but gradients are reduced and the loss is returned in FP32, as under DDP
-    with autocast (accelerate's default policy reduces gradients in bf16 and rounds the loss to bf16)."""
+    blocks compute with bf16 parameters, as under DDP with autocast, while the rest stays as on one GPU: gradients
+    are reduced in FP32, and the blocks' inputs and outputs keep their dtypes (the FP32 residual stream and loss
+    are not rounded to bf16 at each block, as accelerate's default policy does)."""
     policy = None
     if precision == "bf16":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                      output_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None,
+                                      cast_forward_inputs=False)
     return FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
         state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=policy)
