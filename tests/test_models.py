@@ -68,6 +68,19 @@ def test_blocks_compute_the_textbook_prenorm_residual(pattern: str) -> None:
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_bf16_parameters_train_without_autocast(mixer: str) -> None:
+    """Under FSDP2 the parameters are bf16 and accelerate applies no autocast: the stream stays FP32, every linear
+    (the LM head included) reads bf16, the loss is FP32 and every parameter gets a finite gradient."""
+    model = _model(mixer, "hybrid_swa", torch.bfloat16).train()
+    x = _tokens(2, 24)
+    out = model(x, labels=x)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.bfloat16
+    assert torch.isfinite(out.loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
+
+
 def test_add_norm_keeps_the_stream_in_fp32() -> None:
     """``add_norm`` returns the norm in the sublayer output's dtype and the stream in at least FP32."""
     norm = models.layers.common.RMSNorm(8)
