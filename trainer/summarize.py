@@ -48,8 +48,9 @@ def compare(a: Path, b: Path, window: int = 10) -> dict[str, Any]:
     """Agreement of two loss curves on their common steps, after a trailing mean over ``window`` logs:
     the largest and the final relative gap; and the largest relative gap of their validation losses at the
     evaluations they share (``None`` without one)."""
-    la = {r["step"]: r["loss"] for r in read_metrics(a)[0]}
-    lb = {r["step"]: r["loss"] for r in read_metrics(b)[0]}
+    (train_a, val_a), (train_b, val_b) = read_metrics(a), read_metrics(b)
+    la = {r["step"]: r["loss"] for r in train_a}
+    lb = {r["step"]: r["loss"] for r in train_b}
     steps = sorted(la.keys() & lb.keys())
     if len(steps) < window:
         raise ValueError(f"{a} and {b} share {len(steps)} logged steps; need at least {window}")
@@ -60,8 +61,8 @@ def compare(a: Path, b: Path, window: int = 10) -> dict[str, Any]:
 
     sa, sb = smooth(la), smooth(lb)
     gaps = [abs(x - y) / y for x, y in zip(sa, sb)][window:]
-    va = {r["step"]: r["val_loss"] for r in read_metrics(a)[1]}
-    vb = {r["step"]: r["val_loss"] for r in read_metrics(b)[1]}
+    va = {r["step"]: r["val_loss"] for r in val_a}
+    vb = {r["step"]: r["val_loss"] for r in val_b}
     val_gaps = [abs(va[s] - vb[s]) / vb[s] for s in sorted(va.keys() & vb.keys())]
     return {"a": str(a), "b": str(b), "common_steps": len(steps), "max_rel_gap": max(gaps),
             "final_rel_gap": gaps[-1], "final_loss_a": sa[-1], "final_loss_b": sb[-1],
