@@ -21,6 +21,7 @@ from kdn.modules import fla_fused
 from models.cache import KDNCache
 from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
+from models.layers.lm_head import LMHead
 from models.registry import MIXERS
 
 # transformers renamed the output's cache field (``past_key_values`` in 5.17, ``cache`` by 5.24)
@@ -177,7 +178,7 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
     def __init__(self, config: KDNConfig) -> None:
         super().__init__(config)
         self.model = KDNModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.post_init()
 
     @classmethod
@@ -217,8 +218,8 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
     ) -> KDNCausalLMOutput:
         """``input_ids [B, T]`` -> logits ``[B, T, V]`` (last ``logits_to_keep`` positions when > 0), and
         with ``labels`` the mean next-token cross-entropy (shifted internally, ``-100`` ignored, no
-        prediction across padding or a ``cu_seqlens`` document boundary). On CUDA in training with
-        ``config.fuse_cross_entropy``, fla's fused linear cross-entropy computes the loss and
+        prediction across padding or a ``cu_seqlens`` document boundary). In training with
+        ``config.fuse_cross_entropy``, the LM head's chunked linear cross-entropy computes the loss and
         ``logits`` is ``None``. ``cache`` and ``past_key_values`` are the same argument."""
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("pass the decoding cache once, as cache or past_key_values")
@@ -227,13 +228,11 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
                                      cu_seqlens=cu_seqlens, output_beta_eff=output_beta_eff,
                                      inputs_embeds=inputs_embeds)
         loss, logits = None, None
-        fused = labels is not None and self.training and h.is_cuda and self.config.fuse_cross_entropy
+        fused = labels is not None and self.training and self.config.fuse_cross_entropy
         if labels is not None:
             target = shifted_labels(labels, attention_mask, cu_seqlens)
             if fused:
-                from fla.modules import FusedLinearCrossEntropyLoss
-
-                loss = FusedLinearCrossEntropyLoss()(h, target, self.lm_head.weight)
+                loss = self.lm_head(h, target)
             else:
                 logits = self.lm_head(h)
                 loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),

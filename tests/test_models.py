@@ -74,11 +74,14 @@ def test_bf16_parameters_train_without_autocast(mixer: str) -> None:
     (the LM head included) reads bf16, the loss is FP32 and every parameter gets a finite gradient."""
     model = _model(mixer, "hybrid_swa", torch.bfloat16).train()
     x = _tokens(2, 24)
-    out = model(x, labels=x)
-    out.loss.backward()
-    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.bfloat16
-    assert torch.isfinite(out.loss)
-    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
+    for fused in (True, False):  # the LM head's chunked cross-entropy, then plain logits
+        model.config.fuse_cross_entropy = fused
+        model.zero_grad()
+        out = model(x, labels=x)
+        out.loss.backward()
+        assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+        assert out.logits is None if fused else out.logits.dtype == torch.bfloat16
+        assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
 
 
 def test_add_norm_keeps_the_stream_in_fp32() -> None:
