@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kdn import api
 from kdn.cache import RecurrentCache
-from kdn.modules import DeltaFrontEnd, current_mask, inv_softplus, low_rank, upcast
+from kdn.modules import DeltaFrontEnd, current_mask, finish, inv_softplus, low_rank, upcast
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -66,20 +66,22 @@ class _KalmanDelta(nn.Module):
         return {"1": 1.0, "sqrt": math.sqrt(K), "dk": float(K), "4dk": 4.0 * K}.get(
             self.mu_choice, self.mu_choice)  # type: ignore[arg-type]
 
-    def noise_terms(self, x: Tensor, omega_logits: bool = False) -> tuple[Tensor, Tensor]:
-        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32. With
-        ``omega_logits`` and a learned ``omega``, its value before the softplus, in the projection's dtype."""
+    def noise_terms(self, p: dict[str, Tensor], omega_logits: bool = False) -> tuple[Tensor, Tensor]:
+        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32, from the front end's
+        projections ``p`` (``p["omega"]``, ``p["r"]`` where learned). With ``omega_logits`` and a learned ``omega``,
+        its value before the softplus, in the projection's dtype."""
+        x = p["q"]
         B, T = x.shape[:2]
         H, K = self.num_heads, self.head_dim
         shape = (B, T, H) if self.isotropic else (B, T, H, K)
         if self.noise == "fixed_r_omega":
             omega = upcast(x.new_ones(shape))
         elif omega_logits:
-            omega = self.omega_proj(x).view(shape)
+            omega = finish(self.omega_proj, p["omega"]).view(shape)
         else:
-            omega = F.softplus(upcast(self.omega_proj(x))).view(shape)
+            omega = F.softplus(upcast(finish(self.omega_proj, p["omega"]))).view(shape)
         if self.noise == "learned":
-            r = R_MIN + F.softplus(upcast(self.r_proj(x)))
+            r = R_MIN + F.softplus(upcast(p["r"]))
         else:
             r = upcast(x.new_ones(B, T, H))
         return omega, r
@@ -103,10 +105,11 @@ class _KalmanDelta(nn.Module):
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
-        q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)
-        g = self.front.log_retention(x)
+        p = self.front.project(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)})
+        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
+        g = self.front.log_retention(p)
         logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
-        omega, r = self.noise_terms(x, omega_logits=logits)
+        omega, r = self.noise_terms(p, omega_logits=logits)
         if mask is not None:  # padded tokens are identity steps: no write, no decay, no noise
             m = mask[..., None, None]
             k = k * m
@@ -135,7 +138,7 @@ class _KalmanDelta(nn.Module):
             if past_key_values is None:
                 past_key_values = RecurrentCache()
             past_key_values.update(self.layer_idx, recurrent=final, conv=conv)
-        return self.front.output(o.to(x.dtype), x), beta_eff, past_key_values
+        return self.front.output(o.to(x.dtype), p), beta_eff, past_key_values
 
     def beta_eff(self, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, u0: Tensor) -> Tensor:
         """Effective write strength ``k^T kappa`` per token, ``[B, T, H]`` (ignores packing)."""

@@ -176,6 +176,29 @@ def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequent
     return nn.Sequential(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=bias))
 
 
+def input_stage(proj: nn.Module) -> nn.Linear:
+    """The linear that reads the layer input: ``proj`` itself, or a :func:`low_rank`'s first stage."""
+    return proj[0] if isinstance(proj, nn.Sequential) else proj
+
+
+def finish(proj: nn.Module, y: Tensor) -> Tensor:
+    """``proj(x)`` from ``y = input_stage(proj)(x)``: the rest of a :func:`low_rank`, else ``y``."""
+    return proj[1:](y) if isinstance(proj, nn.Sequential) else y
+
+
+def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
+    """``{name: layer(x)}`` in one matmul over the stacked weights (zero bias where a layer has none): ``x`` is read
+    once, and its gradient is one GEMM instead of one per layer plus the adds that sum them. ``x [..., d]``; each
+    output is a view ``[..., out_features]`` of the joint result."""
+    ws = [m.weight for m in layers.values()]
+    bias = None
+    if any(m.bias is not None for m in layers.values()):
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in layers.values()])
+    y = F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
+    return dict(zip(layers, y.split([w.shape[0] for w in ws], -1)))
+
+
 class DeltaFrontEnd(nn.Module):
     """Projections, short convs, retention gate and gated output norm of a delta-rule mixer.
 
@@ -223,36 +246,51 @@ class DeltaFrontEnd(nn.Module):
         self.o_norm = GatedRMSNorm(self.V, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
+    def project(self, x: Tensor, extra: dict[str, nn.Module | None] | None = None) -> dict[str, Tensor]:
+        """Every projection of the layer input ``x [B, T, d_model]`` in one matmul (:func:`fused_linear`): ``q, k, v``,
+        the retention gate's ``f`` and the output gate's ``g`` (first stage when low-rank), and the mixer's ``extra``
+        projections (``None`` skipped; :func:`finish` completes a low-rank one). Returns name -> ``[B, T, width]``."""
+        layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
+        if self.gate != "none":
+            layers["f"] = input_stage(self.f_proj)
+        if hasattr(self, "g_proj"):
+            layers["g"] = input_stage(self.g_proj)
+        layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
+        return fused_linear(x, layers)
+
     def qkv(
-        self, x: Tensor, conv_state: tuple[Tensor, Tensor, Tensor] | None = None,
+        self, p: dict[str, Tensor], conv_state: tuple[Tensor, Tensor, Tensor] | None = None,
         cu_seqlens: Tensor | None = None, use_cache: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, tuple | None]:
-        """L2-normalised ``q, k`` and ``v``, each through its short conv. ``q`` is not scaled here."""
+        """L2-normalised ``q, k`` and ``v`` from the projections ``p`` (:meth:`project`), each through its short
+        conv. ``q`` is not scaled here."""
         cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
-        q, cq = self.q_conv1d(self.q_proj(x), cq, cu_seqlens, use_cache)
-        k, ck = self.k_conv1d(self.k_proj(x), ck, cu_seqlens, use_cache)
-        v, cv = self.v_conv1d(self.v_proj(x), cv, cu_seqlens, use_cache)
-        B, T = x.shape[:2]
+        q, cq = self.q_conv1d(p["q"], cq, cu_seqlens, use_cache)
+        k, ck = self.k_conv1d(p["k"], ck, cu_seqlens, use_cache)
+        v, cv = self.v_conv1d(p["v"], cv, cu_seqlens, use_cache)
+        B, T = q.shape[:2]
         q = l2_normalize(q.view(B, T, self.H, self.K))
         k = l2_normalize(k.view(B, T, self.H, self.K))
         return q, k, v.view(B, T, self.H, self.V), ((cq, ck, cv) if use_cache else None)
 
-    def log_retention(self, x: Tensor) -> Tensor:
-        """``g = log(alpha) <= 0``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]`` (per head)."""
-        B, T = x.shape[:2]
-        if self.alpha_param == "kda" and self.gate == "channel" and fla_fused(x):
+    def log_retention(self, p: dict[str, Tensor]) -> Tensor:
+        """``g = log(alpha) <= 0`` from the projections ``p``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]``
+        (per head)."""
+        f = finish(self.f_proj, p["f"])
+        B, T = f.shape[:2]
+        if self.alpha_param == "kda" and self.gate == "channel" and fla_fused(f):
             from fla.ops.kda.gate import fused_kda_gate
 
-            return fused_kda_gate(self.f_proj(x).view(B, T, self.H, self.K), self.A_log, self.dt_bias)
-        f = upcast(self.f_proj(x))
+            return fused_kda_gate(f.view(B, T, self.H, self.K), self.A_log, self.dt_bias)
+        f = upcast(f)
         if self.alpha_param == "kda":
             g = -upcast(self.A_log).exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
         else:
             g = F.logsigmoid(f + self.gate_bias)
         return g.view(B, T, self.H, -1).squeeze(-1) if self.gate == "head" else g.view(B, T, self.H, self.K)
 
-    def output(self, o: Tensor, x: Tensor) -> Tensor:
+    def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
         """Gated RMSNorm per head, then the output projection. ``o: [B, T, H, V]`` -> ``[B, T, d_model]``."""
-        B, T = x.shape[:2]
-        gate = self.g_proj(x).view(B, T, self.H, self.V)
+        B, T = o.shape[:2]
+        gate = finish(self.g_proj, p["g"]).view(B, T, self.H, self.V)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.H * self.V))

@@ -146,3 +146,28 @@ def test_reference_path_runs_inside_cpu_autocast(cls: type) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = fn(q, k, v, g, omega, r)[0]
     assert torch.equal(inside, plain)
+
+
+def test_fused_linear_equals_separate_layers() -> None:
+    """One matmul over stacked weights (zero bias where a layer has none) gives each layer's output and every
+    gradient; a single layer is left as it is."""
+    from kdn.modules import fused_linear, low_rank
+
+    torch.manual_seed(0)
+    layers = {"a": torch.nn.Linear(12, 7, bias=False), "b": torch.nn.Linear(12, 3, bias=True),
+              "c": low_rank(12, 4, 9, bias=True)[0]}
+    layers = {n: m.double() for n, m in layers.items()}
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    w = {n: torch.randn(2, 5, m.out_features, dtype=torch.float64) for n, m in layers.items()}
+    grads = []
+    for fused in (True, False):
+        outs = fused_linear(x, layers) if fused else {n: m(x) for n, m in layers.items()}
+        loss = sum((outs[n] * w[n]).sum() for n in layers)
+        params = [x, *(p for m in layers.values() for p in m.parameters())]
+        grads.append((outs, torch.autograd.grad(loss, params)))
+    for n in layers:
+        torch.testing.assert_close(grads[0][0][n], grads[1][0][n], rtol=1e-13, atol=1e-13)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    only = fused_linear(x, {"b": layers["b"]})["b"]
+    torch.testing.assert_close(only, layers["b"](x), rtol=0, atol=0)

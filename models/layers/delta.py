@@ -54,13 +54,14 @@ class FrontEnd(DeltaFrontEnd):
             del self.g_proj
             self.o_norm = RMSNorm(self.V, norm_eps)
 
-    def output(self, o: Tensor, x: Tensor) -> Tensor:
-        """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``."""
+    def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``; ``p``:
+        the projections of the layer input (:meth:`project`)."""
         if self.output_gate == "sigmoid":
-            return super().output(o, x)
-        B, T = x.shape[:2]
+            return super().output(o, p)
+        B, T = o.shape[:2]
         if self.output_gate == "swish":
-            y = self.o_norm(o, self.g_proj(x).view(B, T, self.H, self.V))
+            y = self.o_norm(o, p["g"].view(B, T, self.H, self.V))
         else:
             y = self.o_norm(o)
         return self.o_proj(y.reshape(B, T, self.H * self.V))
@@ -88,8 +89,12 @@ class _DeltaRule(nn.Module, abc.ABC):
 
     # -- per-rule pieces ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        """The rule's write strengths from ``x [B, T, d_model]`` (FP32)."""
+    def write_projections(self) -> dict[str, nn.Linear]:
+        """The rule's own projections of the layer input (they join the front end's matmul)."""
+
+    @abc.abstractmethod
+    def write_terms(self, p: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The rule's write strengths (FP32) from the projections ``p`` of the layer input, ``[B, T, width]``."""
 
     def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(read key r, write vector kappa, value u)`` of the generic rule, from ``k [B,T,H,K]``, ``v``."""
@@ -130,9 +135,10 @@ class _DeltaRule(nn.Module, abc.ABC):
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
-        q, k, v, conv = self.front.qkv(x, last["conv"] if last else None, cu_seqlens, use_cache)
-        g = self.front.log_retention(x) if self.gate != "none" else None
-        terms = self.write_terms(x)
+        p = self.front.project(x, self.write_projections())
+        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
+        g = self.front.log_retention(p) if self.gate != "none" else None
+        terms = self.write_terms(p)
         if mask is not None:  # padded tokens are identity steps: no key, no decay
             k = k * mask[..., None, None].to(k.dtype)
             if g is not None:
@@ -154,7 +160,7 @@ class _DeltaRule(nn.Module, abc.ABC):
             if past_key_values is None:
                 past_key_values = RecurrentCache()
             past_key_values.update(self.layer_idx, recurrent=S, conv=conv)
-        return self.front.output(o.to(x.dtype), x), beta_eff, past_key_values
+        return self.front.output(o.to(x.dtype), p), beta_eff, past_key_values
 
     def torch_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
@@ -180,8 +186,11 @@ class _ScalarBetaRule(_DeltaRule):
         super().__init__(hidden_size, num_heads, head_dim, **kw)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        return {"beta": torch.sigmoid(upcast(self.b_proj(x)))}
+    def write_projections(self) -> dict[str, nn.Linear]:
+        return {"beta": self.b_proj}
+
+    def write_terms(self, p: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"beta": torch.sigmoid(upcast(p["beta"]))}
 
 
 class DeltaNet(_ScalarBetaRule):
@@ -262,10 +271,13 @@ class GDN2(_DeltaRule):
         self.b_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.w_proj = nn.Linear(hidden_size, num_heads * self.front.V, bias=False)
 
-    def write_terms(self, x: Tensor) -> dict[str, Tensor]:
-        B, T = x.shape[:2]
-        b = torch.sigmoid(upcast(self.b_proj(x))).view(B, T, self.num_heads, self.head_dim)
-        w = torch.sigmoid(upcast(self.w_proj(x))).view(B, T, self.num_heads, self.front.V)
+    def write_projections(self) -> dict[str, nn.Linear]:
+        return {"b": self.b_proj, "w": self.w_proj}
+
+    def write_terms(self, p: dict[str, Tensor]) -> dict[str, Tensor]:
+        B, T = p["b"].shape[:2]
+        b = torch.sigmoid(upcast(p["b"])).view(B, T, self.num_heads, self.head_dim)
+        w = torch.sigmoid(upcast(p["w"])).view(B, T, self.num_heads, self.front.V)
         return {"b": b, "w": w}
 
     def rule(self, k: Tensor, v: Tensor, terms: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
