@@ -70,12 +70,12 @@ class _KalmanDelta(nn.Module):
         """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32, from the front end's
         projections ``p`` (``p["omega"]``, ``p["r"]`` where learned). With ``omega_logits`` and a learned ``omega``,
         its value before the softplus, in the projection's dtype."""
-        x = p["q"]
-        B, T = x.shape[:2]
+        like = p["q"]  # [B, T, H*K], in the projections' dtype and device
+        B, T = like.shape[:2]
         H, K = self.num_heads, self.head_dim
         shape = (B, T, H) if self.isotropic else (B, T, H, K)
         if self.noise == "fixed_r_omega":
-            omega = upcast(x.new_ones(shape))
+            omega = upcast(like.new_ones(shape))
         elif omega_logits:
             omega = finish(self.omega_proj, p["omega"]).view(shape)
         else:
@@ -83,7 +83,7 @@ class _KalmanDelta(nn.Module):
         if self.noise == "learned":
             r = R_MIN + F.softplus(upcast(p["r"]))
         else:
-            r = upcast(x.new_ones(B, T, H))
+            r = upcast(like.new_ones(B, T, H))
         return omega, r
 
     def initial_uncertainty(self, n: int) -> Tensor:

@@ -5,11 +5,17 @@ and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and 
 masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
 same operations run through fla's fused Triton kernels (short conv, L2 norm, KDA gate, gated RMSNorm),
 each one pass forward and one backward; ``FLA_FUSED = False`` turns them off (the GPU tests compare both).
+
+Importing this module opts in to fla's Gluon short-convolution kernels (``FLA_CONV_GLUON=1`` unless already set):
+their backward recomputes the activation in registers instead of in a separate pass, which halves the convolutions'
+time in a 750M training step on an H200 (bench/RESULTS.md, session 7). fla itself falls back to its Triton kernels
+where they do not apply (decoding caches, runs with ``torch.distributed`` initialised); ``FLA_CONV_GLUON=0`` opts out.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -24,6 +30,7 @@ def inv_softplus(y: Tensor | float) -> Tensor:
 
 
 FLA_FUSED = True
+os.environ.setdefault("FLA_CONV_GLUON", "1")
 
 
 @functools.cache

@@ -1,6 +1,10 @@
 """The KDN mixers as modules: training path, causality, caching, padding, packing, options."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from kdn_inputs import rel_err
@@ -171,3 +175,13 @@ def test_fused_linear_equals_separate_layers() -> None:
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
     only = fused_linear(x, {"b": layers["b"]})["b"]
     torch.testing.assert_close(only, layers["b"](x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_importing_kdn_opts_in_to_fla_gluon_convolutions_unless_set(preset: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "FLA_CONV_GLUON"}
+    if preset is not None:
+        env["FLA_CONV_GLUON"] = preset
+    out = subprocess.run([sys.executable, "-c", "import os, kdn; print(os.environ['FLA_CONV_GLUON'])"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == (preset or "1")
