@@ -108,7 +108,8 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
 def variant(name: str) -> Iterator[str]:
     """Run the mixer ``name`` and yield its base name. Diagonal KDN memory variants (``kdn.triton_ops``):
     ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels, ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16,
-    ``kdn_diag@c64`` at chunk 64 (16, 32, 64); the module settings are restored afterwards."""
+    ``kdn_diag@c32`` at chunk 32 (16 or 32; ``kdn.triton_ops`` refuses 64); the module settings are restored
+    afterwards."""
     if "@" not in name:
         yield name
         return
@@ -117,10 +118,10 @@ def variant(name: str) -> Iterator[str]:
     base, tag = name.split("@")
     if tag in ("asym", "dplr"):
         settings = {"DIAG_MEMORY": tag}
-    elif tag.startswith("c") and tag[1:].isdigit():
+    elif tag in ("c16", "c32"):
         settings = {"DIAG_MEMORY": "dplr", "DPLR_CHUNK": int(tag[1:])}
     else:
-        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32, c64")
+        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32")
     defaults = {n: getattr(triton_ops, n) for n in settings}
     for n, v in settings.items():
         setattr(triton_ops, n, v)

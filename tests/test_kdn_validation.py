@@ -96,3 +96,15 @@ def test_scale_and_zero_memory_state(isotropic: bool) -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="scale"):
             fn(**x, scale=bad)
+
+
+def test_dplr_memory_refuses_chunk_64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's DPLR kernels at chunk 64 miss the gradient tolerance under strong forgetting: refused before any kernel."""
+    from kdn import triton_ops
+
+    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")
+    monkeypatch.setattr(triton_ops, "DPLR_CHUNK", 64)
+    x = make_inputs(1, 8, 2, 4, 4, isotropic=False, seed=0)
+    state = (None, torch.ones(1, 2, 4))
+    with pytest.raises(ValueError, match="DPLR_CHUNK must be 16 or 32, got 64"):
+        triton_ops.diagonal_kdn(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], torch.ones(2), state)
