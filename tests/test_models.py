@@ -378,3 +378,20 @@ def test_flops_per_token() -> None:
     swa = model_config("750m", "attn")  # 2K window: attention cost saturates
     assert count_flops_per_token(swa, 16384) - count_flops_per_token(swa, 8192) < 0.02 * f
     assert count_flops_per_token(full, 16384) - count_flops_per_token(full, 8192) > 0.2 * f
+
+
+def test_compiled_model_matches_eager() -> None:
+    """``trainer.compile`` wraps the model in ``torch.compile``: the traced graph (breaks at the kernels and the LM
+    head's chunked loss) gives the eager loss and gradients (``aot_eager``: no C++ toolchain on the CPU)."""
+    torch.manual_seed(0)
+    model = build_model(model_config("toy", "kdn_diag", "recurrent", vocab_size=V)).train()
+    ids = _tokens(2, 16)
+    grads = []
+    for m in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=0)
+    for a, b in zip(grads[1][1], grads[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
