@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kdn_inputs import rel_err
 
 from models import build_model, model_config
 from models.layers.lm_head import LMHead, linear_cross_entropy
@@ -88,9 +89,6 @@ def test_cuda_bf16_matches_float64_and_fla(weight_dtype: torch.dtype) -> None:
     gradients and against fla's fused linear cross-entropy (whose weight gradient sums in FP32 on TF32)."""
     from fla.modules import FusedLinearCrossEntropyLoss
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
     torch.backends.cuda.matmul.allow_tf32 = True
     x64, w64, target = _case(8192, 512, 8000, 700, seed=3)
     target = target.cuda()
@@ -107,6 +105,6 @@ def test_cuda_bf16_matches_float64_and_fla(weight_dtype: torch.dtype) -> None:
         assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == weight_dtype
         results[name] = (loss.detach(), x.grad, w.grad)
     loss, dx, dw = results["ours"]
-    assert rel(loss, ref) < 1e-3 and rel(dx, rdx.cuda()) < 1e-2 and rel(dw, rdw.cuda()) < 1e-2
+    assert rel_err(loss, ref) < 1e-3 and rel_err(dx, rdx.cuda()) < 1e-2 and rel_err(dw, rdw.cuda()) < 1e-2
     floss, fdx, fdw = results["fla"]
-    assert rel(loss, floss) < 1e-5 and rel(dx, fdx) < 1e-3 and rel(dw, fdw) < 1e-3
+    assert rel_err(loss, floss) < 1e-5 and rel_err(dx, fdx) < 1e-3 and rel_err(dw, fdw) < 1e-3
