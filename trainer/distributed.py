@@ -37,8 +37,8 @@ def world_size(t: TrainerConfig) -> int:
 
 
 def cuda_matmul_defaults() -> None:
-    """TF32 for the FP32 matmuls left under bf16 autocast (FP32 training, a mixer's FP32 projections). Training and
-    its benchmarks share this setting."""
+    """TF32 for FP32 matmuls: those of FP32 training (``trainer.precision=fp32``) and any that autocast leaves in
+    FP32. Training and its benchmarks share this setting."""
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
