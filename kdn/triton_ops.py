@@ -35,6 +35,11 @@ last token writes its final state (segment 0 for an empty sequence, whose state 
 Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN runs fla's
 asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``DIAG_MEMORY = "asym"``,
 the default), or maps onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``"dplr"``).
+fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
+chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
+decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
+:func:`safe_gate` checks that envelope on the actual gates at every call, so the faster path is taken exactly when
+it is exact.
 
 Decoding: ``fused_recurrent`` runs gain and memory token by token in one kernel, the state in registers.
 """
@@ -874,6 +879,48 @@ def isotropic_gain(
     return _IsotropicGain.apply(k, g, omega, r, mu, b0, out_dtype, cu_seqlens, N, L)
 
 
+# fla's envelope for its tensor-core diagonal blocks (``safe_gate`` with the default shift, 2 nats per token): a
+# 16-token sub-chunk whose gates fall by at most 75 nats keeps both factors within exp(+-60) (fla.ops.kda.chunk_intra)
+SAFE_GATE_SPREAD = 75.0
+SAFE_GATE_STEPS = 15
+
+
+class SafeGate:
+    """:func:`safe_gate`'s answer: computed on ``g``'s device when made, fetched when read (``bool``). On CUDA its
+    copy to the host is queued behind whatever is launched in between, so reading it does not drain the GPU's queue
+    (a plain ``.item()`` before the memory kernel left the GPU idle for 3% of a 750M KDA step)."""
+
+    def __init__(self, ok: Tensor) -> None:
+        self._event = None
+        if ok.is_cuda:
+            self._ok = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._ok.copy_(ok, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._ok = ok
+
+    def __bool__(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._ok)
+
+
+def safe_gate(g: Tensor) -> SafeGate:
+    """Whether fla's ``safe_gate`` path is exact for the log-retention ``g`` (``[B,T,H,K]`` per channel or
+    ``[B,T,H]`` per head, ``<= 0``): no key channel falls by more than :data:`SAFE_GATE_SPREAD` nats over any
+    :data:`SAFE_GATE_STEPS` consecutive tokens. Read the answer with ``bool()``, as late as possible.
+
+    Conservative: it sums each token's steepest channel, and packed sequences' windows may straddle a boundary.
+    Non-finite gates give ``False`` (the exact token loop).
+    """
+    steep = (g.detach().amin(-1) if g.dim() == 4 else g.detach()).float().neg()  # [B, T, H]
+    if steep.shape[1] == 0:
+        return SafeGate(torch.ones((), dtype=torch.bool, device=g.device))
+    w = min(SAFE_GATE_STEPS, steep.shape[1])
+    return SafeGate(steep.unfold(1, w, 1).sum(-1).amax() <= SAFE_GATE_SPREAD)
+
+
 # The Diagonal memory kernel: "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; the
 # faster: bench/RESULTS.md) or "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK).
 DIAG_MEMORY = "asym"
@@ -896,7 +943,7 @@ class _AsymmetricMemory(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
-        S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
+        S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -910,13 +957,14 @@ class _AsymmetricMemory(torch.autograd.Function):
                 "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
         gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
         beta = q.new_ones(q.shape[:3])
+        safe = bool(check)
         w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
-            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, **seqs)
+            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
         h, v_new, S = chunk_gated_delta_rule_fwd_h(
             k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
         o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
         ctx.save_for_backward(q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"])
-        ctx.scale = scale
+        ctx.scale, ctx.safe = scale, safe
         return o.to(q.dtype), S
 
     @staticmethod
@@ -945,8 +993,8 @@ class _AsymmetricMemory(torch.autograd.Function):
             scale=scale, chunk_size=C, **seqs)
         dq, dk, dkappa, _, dg = chunk_precond_kda_bwd_intra(
             q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
-            db=dbeta, dg=dg, chunk_size=C, **seqs)  # dg is already the gradient of the raw g (reverse cumsum applied)
-        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None, None
+            db=dbeta, dg=dg, chunk_size=C, safe_gate=ctx.safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
+        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None, None, None
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -976,9 +1024,10 @@ def diagonal_kdn(
         raise ValueError(f"kdn.triton_ops.DPLR_CHUNK must be 16 or 32, got {DPLR_CHUNK!r}: fla's DPLR kernels at chunk "
                          "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
     if DIAG_MEMORY == "asym":
+        check = safe_gate(g)  # read after the gain's kernels are queued
         kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens, omega_softplus=omega_softplus)
         o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
-                                       float(scale), output_final_state, cu_seqlens)
+                                       float(scale), output_final_state, cu_seqlens, check)
         return o, (S, pT)
     if cu_seqlens is not None:
         raise NotImplementedError("triton_ops.diagonal_kdn takes cu_seqlens only with DIAG_MEMORY = 'asym'; packed "
@@ -1005,10 +1054,11 @@ def isotropic_kdn(
 
     S0, b0 = state
     dt = _mem_dtype(v)
+    check = safe_gate(g)  # read after the gain's kernels are queued
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens)
     o, S = chunk_kda(
         q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta, scale=scale,
         initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, safe_gate=bool(check),
     )
     return o, (S, bT)

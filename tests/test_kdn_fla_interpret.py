@@ -2,14 +2,19 @@
 
 In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal memory through fla's
 asymmetric chunk-64 kernels (``DIAG_MEMORY = "asym"``, with an initial memory) and the Isotropic one through
-``chunk_kda`` (zero memory, strong forgetting), with our gain kernels, every gradient (packed sequences:
-``tests/test_kdn_varlen_interpret.py``); and fla's fused front end (conv, L2 norm, KDA gate, gated norm) against the
-PyTorch front end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter.
-(fla's DPLR kernels do not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
+``chunk_kda``, each through both of fla's paths for the diagonal blocks (``triton_ops.safe_gate``: tensor-core
+matmuls with bounded gates, the token loop under strong forgetting), with our gain kernels, every gradient
+(packed sequences: ``tests/test_kdn_varlen_interpret.py``); and fla's fused front end (conv, L2 norm, KDA gate,
+gated norm) against the PyTorch front end in whole layers (padded, packed, prefill + decoding). Each runs in a
+fresh interpreter. (fla's DPLR kernels do not run in the interpreter; they are checked on the H200,
+``tests/test_kdn_triton.py``.)
 """
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 pytest.importorskip("triton")
 pytest.importorskip("fla")
@@ -26,7 +31,8 @@ from kdn_inputs import make_inputs, make_state, rel_err
 triton_ops.DIAG_MEMORY = "asym"
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
-for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (True, 65, -12.0, False)):
+for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False), (True, 65, -12.0, False),
+                               (True, 77, -3.0, True)):
     B, H, K = 2, 2, 16
     x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
     S0, u0 = make_state(B, H, K, K, isotropic=iso)
@@ -46,6 +52,7 @@ for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (True, 65, -12.0, False)
     sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
     errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
+    errs["safe_gate"] = float(bool(triton_ops.safe_gate(l32["g"])))
     out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
 print(json.dumps(out))
 """
@@ -93,5 +100,36 @@ print(json.dumps(out))
 @pytest.mark.parametrize("script", [MEMORY, FRONT_END], ids=["memory", "front_end"])
 def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
     errs = triton_interpret.run_interpreted(script)
+    paths = {case: e.pop("safe_gate") for case, e in errs.items() if "safe_gate" in e}
     for case, e in errs.items():
         assert max(e.values()) < 5e-5, (case, e)
+    if script is MEMORY:  # both memories through both of fla's diagonal-block paths
+        assert paths == {"diag_asym_T77_g-3": 1.0, "diag_asym_T65_g-12": 0.0, "iso_T65_g-12": 0.0, "iso_T77_g-3": 1.0}
+
+
+def test_safe_gate_checks_fla_envelope() -> None:
+    """fla's tensor-core diagonal blocks are taken only while no channel falls by more than 75 nats over 15
+    consecutive tokens (checked on the steepest channel of each token, in any window)."""
+    from kdn.triton_ops import safe_gate
+
+    def gates(*runs: tuple[int, float], T: int = 64) -> torch.Tensor:
+        g = -0.01 * torch.rand(2, T, 3, 8, generator=torch.Generator().manual_seed(0))
+        for start, value in runs:  # one channel of one head, from `start` on for 15 tokens
+            g[1, start:start + 15, 2, 5] = value
+        return g
+
+    assert safe_gate(gates((10, -4.9)))
+    assert not safe_gate(gates((10, -5.1)))
+    assert safe_gate(gates((0, -4.9), (49, -4.9)))  # two steep runs, never 15 steep tokens in one window
+    g = gates()
+    g[1, 30, 2, 5] = -70.0  # one token that forgets almost everything
+    assert safe_gate(g)
+    g[1, 40, 0, 1] = -10.0  # another head: its own windows
+    assert safe_gate(g)
+    g[1, 40, 2, 1] = -10.0  # another channel of the same head and window: the steepest-channel sum exceeds 75
+    assert not safe_gate(g)
+    assert safe_gate(gates(T=1)) and safe_gate(gates(T=7)) and safe_gate(torch.zeros(1, 0, 2, 4))
+    assert not safe_gate(gates(T=7).index_fill_(1, torch.tensor([3]), -80.0))
+    assert not safe_gate(gates().index_fill_(1, torch.tensor([3]), math.nan))
+    head = torch.full((2, 40, 3), -0.5)  # a gate per head (Gated DeltaNet), [B, T, H]
+    assert safe_gate(head) and not safe_gate(head.index_fill_(1, torch.arange(10, 25), -5.1))

@@ -82,8 +82,24 @@ def test_triton_matches_float64_reference(isotropic: bool, K: int, H: int, T: in
 
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
 def test_triton_strong_forgetting(isotropic: bool) -> None:
+    """Past fla's safe-gate envelope: the diagonal blocks go through fla's exact token loop."""
+    from kdn import triton_ops
+
     case = _case(2, 1000, 4, 64, isotropic, seed=5, g_min=-12.0)
-    _assert_within(_compare(isotropic, case, {"T": 1000, "H": 4, "K": 64, "g_min": -12.0}))
+    assert not bool(triton_ops.safe_gate(case["g"].float()))
+    _assert_within(_compare(isotropic, case, {"T": 1000, "H": 4, "K": 64, "g_min": -12.0, "safe_gate": False}))
+
+
+@pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
+@pytest.mark.parametrize("T,H,K", [(1000, 4, 64), (4096, 16, 128), (77, 2, 128)])
+def test_triton_safe_gate_at_the_envelope_edge(isotropic: bool, T: int, H: int, K: int) -> None:
+    """Gates down to -4.9 nats a token (a sub-chunk may fall by 73.5 of the 75 nats allowed): the diagonal blocks go
+    through fla's tensor-core path (``triton_ops.safe_gate``), within the same tolerances."""
+    from kdn import triton_ops
+
+    case = _case(2, T, H, K, isotropic, seed=T + K + 3, g_min=-4.9)
+    assert bool(triton_ops.safe_gate(case["g"].float()))
+    _assert_within(_compare(isotropic, case, {"T": T, "H": H, "K": K, "g_min": -4.9, "safe_gate": True}))
 
 
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])

@@ -2,9 +2,12 @@
 
 Import it in a process started with ``TRITON_INTERPRET=1`` and call :func:`enable` before running kernels;
 :func:`run_interpreted` starts such a process from a test.
-Two gaps of the interpreter are bridged: autotuners cannot benchmark (the first config is taken), and loop
+Four gaps of the interpreter are bridged: autotuners cannot benchmark (the first config is taken); loop
 indices of ``range`` are plain ints inside interpreted kernels while fla calls ``.to()`` on them (fla's
-modules get a ``range`` that yields int32 scalars while a kernel runs).
+modules get a ``range`` that yields int32 scalars while a kernel runs); and fla's alias of ``tl.gather`` is not
+patched by the interpreter (fla's modules see ``IS_GATHER_SUPPORTED = False``, so its kernels load the row
+instead of gathering it); and the interpreter's dot has no ``bf16x3`` precision (fla's safe-gate diagonal
+blocks run at ``ieee`` here).
 """
 from __future__ import annotations
 
@@ -69,3 +72,7 @@ def enable(*modules: str) -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("fla.") and mod is not None:
             mod.range = kernel_range
+            if hasattr(mod, "IS_GATHER_SUPPORTED"):
+                mod.IS_GATHER_SUPPORTED = False
+            if hasattr(mod, "SAFE_GATE_DOT_PRECISION"):
+                mod.SAFE_GATE_DOT_PRECISION = tl.constexpr("ieee")

@@ -72,6 +72,7 @@ class _DeltaRule(nn.Module, abc.ABC):
 
     gate: str = "channel"
     output_gate_default: str = "sigmoid"
+    checks_safe_gate = False  # fla_call reads terms["safe_gate"] (kdn.triton_ops.safe_gate of g)
 
     def __init__(
         self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
@@ -136,15 +137,20 @@ class _DeltaRule(nn.Module, abc.ABC):
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         p = self.front.project(x, self.write_projections())
-        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
         g = self.front.log_retention(p) if self.gate != "none" else None
+        if mask is not None and g is not None:  # padded tokens are identity steps: no key, no decay
+            g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
+        fla = self.resolve_backend(x.device) == "fla"
         terms = self.write_terms(p)
-        if mask is not None:  # padded tokens are identity steps: no key, no decay
+        if fla and self.checks_safe_gate:  # read in fla_call, once the convolutions below are queued
+            from kdn.triton_ops import safe_gate
+
+            terms["safe_gate"] = safe_gate(g)
+        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
+        if mask is not None:
             k = k * mask[..., None, None].to(k.dtype)
-            if g is not None:
-                g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
         S0 = last["recurrent"] if last is not None else None
-        if self.resolve_backend(x.device) == "fla":  # one activation dtype for the kernels (v's, under autocast)
+        if fla:  # one activation dtype for the kernels (v's, under autocast)
             cu = cu_seqlens.to(x.device) if cu_seqlens is not None else None
             h0 = S0.float() if S0 is not None else None
             o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, h0, use_cache, cu)
@@ -235,9 +241,12 @@ class GatedDeltaNet(_ScalarBetaRule):
             # with the head's decay on every key channel, whose kernels are not affected
             from fla.ops.kda import chunk_kda
 
-            return chunk_kda(q, k, v, g.float()[..., None].expand_as(k).contiguous(), terms["beta"].to(q.dtype),
-                             scale=self.head_dim ** -0.5, initial_state=S0, output_final_state=output_final_state,
-                             cu_seqlens=cu_seqlens)
+            from kdn.triton_ops import safe_gate
+
+            gk = g.float()[..., None].expand_as(k).contiguous()
+            return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                             safe_gate=bool(safe_gate(g)))
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                                       initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
@@ -248,6 +257,7 @@ class KDA(_ScalarBetaRule):
 
     gate = "channel"
     output_gate_default = "sigmoid"
+    checks_safe_gate = True
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
@@ -256,7 +266,8 @@ class KDA(_ScalarBetaRule):
         from fla.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                         initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                         initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                         safe_gate=bool(terms["safe_gate"]))
 
 
 class GDN2(_DeltaRule):
