@@ -18,6 +18,8 @@
 #                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step_<n>.json (n-th such stage)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
+#   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
+#                  --block-rows 32 64")
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
 #   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
@@ -87,6 +89,11 @@ for stage in "$@"; do
       export "${stage#env=}"
       echo "=== ${stage#env=}" | tee -a "$LOG"
       ;;
+    bench=*)
+      read -r mod args <<< "${stage#bench=}"
+      # shellcheck disable=SC2086
+      run_stage "bench $mod" python3 -m "bench.$mod" $args --out "$OUT/$mod.json"
+      ;;
     warm=*)
       # shellcheck disable=SC2086
       run_stage "warm ${stage#warm=}" python3 -m bench.warm_triton --workers "${WARM_WORKERS:-12}" -m ${stage#warm=}
@@ -130,8 +137,8 @@ for stage in "$@"; do
       done
       ;;
     *)
-      echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... throughput[=ARGS] profile train100m" \
-        "throughput750m parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
+      echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... bench=MODULE... throughput[=ARGS] profile" \
+        "train100m throughput750m parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

@@ -3,8 +3,9 @@
 Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
 and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding
 masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
-same operations run through fla's fused Triton kernels (short conv, L2 norm, KDA gate, gated RMSNorm),
-each one pass forward and one backward; ``FLA_FUSED = False`` turns them off (the GPU tests compare both).
+same operations run through fused Triton kernels, fla's (short conv, L2 norm, KDA gate, gated RMSNorm) and ours
+(the pre-norm residual add + RMSNorm, ``kdn.triton_norm``), each one pass forward and one backward;
+``FLA_FUSED = False`` turns them off (the GPU tests compare both).
 
 Importing this module opts in to fla's Gluon short-convolution kernels (``FLA_CONV_GLUON=1`` unless already set):
 their backward recomputes the activation in registers instead of in a separate pass, which halves the convolutions'
@@ -43,7 +44,7 @@ def _fla_importable() -> bool:
 
 
 def fla_fused(x: Tensor) -> bool:
-    """Whether ``x`` goes through fla's fused kernels: CUDA, below float64, fla installed, ``FLA_FUSED`` on."""
+    """Whether ``x`` goes through the fused kernels: CUDA, below float64, fla installed, ``FLA_FUSED`` on."""
     return FLA_FUSED and x.is_cuda and x.dtype != torch.float64 and _fla_importable()
 
 
@@ -147,12 +148,12 @@ class RMSNorm(nn.Module):
         """A pre-norm residual step: ``residual' = residual + x`` (``x`` alone when ``residual`` is ``None``),
         kept in at least FP32, and ``RMSNorm(residual')`` in ``x``'s dtype. ``x, residual: [..., D]``; returns
         ``(normed, residual')``. Under autocast ``x`` (a sublayer's output) is bf16, so the sublayers read bf16
-        and the stream stays FP32; on CUDA the add and the norm are one fused pass each way."""
+        and the stream stays FP32; on CUDA the add and the norm are one fused pass each way
+        (:func:`kdn.triton_norm.add_rms_norm`)."""
         if fla_fused(x):
-            from fla.modules.norm.layernorm import rms_norm
+            from kdn.triton_norm import add_rms_norm
 
-            return rms_norm(x, self.weight, None, residual=residual, eps=self.eps, prenorm=True,
-                            residual_in_fp32=True)
+            return add_rms_norm(x, residual, self.weight, self.eps)
         res = upcast(x) if residual is None else residual + x
         return self.normed(res).to(x.dtype), res
 

@@ -171,9 +171,9 @@ ADD_NORM_CASES = {  # (sublayer output x, stream, weight): where each combinatio
 
 @pytest.mark.parametrize("case", list(ADD_NORM_CASES))
 def test_fused_add_norm_matches_pytorch(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``RMSNorm.add_norm`` through fla's fused prenorm kernel against the PyTorch path, for each dtype combination
-    that training meets (``ADD_NORM_CASES``): the normed output, the new stream, and the gradients of the
-    sublayer output, the stream and the weight."""
+    """``RMSNorm.add_norm`` through its fused Triton kernels (``kdn.triton_norm``) against the PyTorch path, for
+    each dtype combination that training meets (``ADD_NORM_CASES``): the normed output, the new stream, and the
+    gradients of the sublayer output, the stream and the weight."""
     from kdn import modules
 
     x_dtype, s_dtype, w_dtype = ADD_NORM_CASES[case]
