@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-ROWS = 64  # rows per backward program
+ROWS = 32  # rows per backward program (16-64 measured alike on an H200, 128 slower: bench/RESULTS.md)
 
 
 @triton.jit
