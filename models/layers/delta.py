@@ -16,6 +16,7 @@ Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs doc
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,9 @@ from models.layers.common import (
     repack,
     unpack_all,
 )
+
+if TYPE_CHECKING:
+    from kdn.triton_ops import SafeGate
 
 OUTPUT_GATES = ("sigmoid", "swish", "none")
 BACKENDS = ("torch", "fla")
@@ -72,7 +76,7 @@ class _DeltaRule(nn.Module, abc.ABC):
 
     gate: str = "channel"
     output_gate_default: str = "sigmoid"
-    checks_safe_gate = False  # fla_call reads terms["safe_gate"] (kdn.triton_ops.safe_gate of g)
+    checks_safe_gate = False  # fla_call gets kdn.triton_ops.safe_gate(g) (fla's tensor-core path when it is exact)
 
     def __init__(
         self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
@@ -105,9 +109,10 @@ class _DeltaRule(nn.Module, abc.ABC):
     @abc.abstractmethod
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
-        output_final_state: bool, cu_seqlens: Tensor | None,
+        output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled, ``S0 [N,H,K,V]`` FP32 or ``None``."""
+        """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled, ``S0 [N,H,K,V]`` FP32 or ``None``;
+        ``check``: ``kdn.triton_ops.safe_gate(g)`` when the class sets ``checks_safe_gate``, else ``None``."""
 
     def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
         """``r_t^T kappa_t`` per token, ``[B, T, H]`` (the rule's ``beta_eff``)."""
@@ -141,11 +146,12 @@ class _DeltaRule(nn.Module, abc.ABC):
         if mask is not None and g is not None:  # padded tokens are identity steps: no key, no decay
             g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
         fla = self.resolve_backend(x.device) == "fla"
-        terms = self.write_terms(p)
+        check = None
         if fla and self.checks_safe_gate:  # read in fla_call, once the convolutions below are queued
             from kdn.triton_ops import safe_gate
 
-            terms["safe_gate"] = safe_gate(g)
+            check = safe_gate(g)
+        terms = self.write_terms(p)
         q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
         if mask is not None:
             k = k * mask[..., None, None].to(k.dtype)
@@ -153,7 +159,7 @@ class _DeltaRule(nn.Module, abc.ABC):
         if fla:  # one activation dtype for the kernels (v's, under autocast)
             cu = cu_seqlens.to(x.device) if cu_seqlens is not None else None
             h0 = S0.float() if S0 is not None else None
-            o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, h0, use_cache, cu)
+            o, S = self.fla_call(q.to(v.dtype), k.to(v.dtype), v, g, terms, h0, use_cache, cu, check)
         else:
             dt = torch.promote_types(x.dtype, torch.float32)
             if S0 is None:
@@ -207,7 +213,7 @@ class DeltaNet(_ScalarBetaRule):
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
-        output_final_state: bool, cu_seqlens: Tensor | None,
+        output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.delta_rule import chunk_delta_rule
 
@@ -231,7 +237,7 @@ class GatedDeltaNet(_ScalarBetaRule):
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
-        output_final_state: bool, cu_seqlens: Tensor | None,
+        output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
@@ -261,13 +267,13 @@ class KDA(_ScalarBetaRule):
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
-        output_final_state: bool, cu_seqlens: Tensor | None,
+        output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                          initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         safe_gate=bool(terms["safe_gate"]))
+                         safe_gate=bool(check))
 
 
 class GDN2(_DeltaRule):
@@ -299,7 +305,7 @@ class GDN2(_DeltaRule):
 
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
-        output_final_state: bool, cu_seqlens: Tensor | None,
+        output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gdn2 import chunk_gdn2
 
