@@ -4,7 +4,8 @@ pass each way (:func:`add_rms_norm`, the CUDA path of ``kdn.modules.RMSNorm.add_
 Forward: a program per row. Backward: ``ROWS`` consecutive rows per program, one row at a time, the weight's
 gradient summed in registers and the programs' partial sums added in torch. fla's row kernel (``rms_norm(...,
 prenorm=True)``) gives each SM one program that walks 1/132 of the rows; with a few programs per SM the loads of
-neighbouring programs overlap (bench/norm_throughput.py, bench/RESULTS.md).
+neighbouring programs overlap (bench/norm_throughput.py, bench/RESULTS.md). The stream's gradient is stored in
+FP32; fla's kernel rounds it to the sublayer output's dtype (bf16) first.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def _add_rms_norm_bwd_kernel(res_out, rstd, w, dy, dres_out, dx, dres, dw, T, D,
 
 
 class _AddRMSNorm(torch.autograd.Function):
+    """``(x, residual | None, weight) -> (normed, residual')``; saves the FP32 ``residual'`` and ``rstd [rows]``."""
+
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,

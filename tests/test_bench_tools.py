@@ -136,12 +136,14 @@ def test_merge_joins_sweeps_of_two_gpus(tmp_path: Path, capsys: pytest.CaptureFi
 def test_device_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none"),
            "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PAIR_S": "120", "PAIR1_S": "60"}
-    proc = subprocess.run(["bash", "bench/device_pair.sh", "throughput=--help", "throughput=--help ; nope",
+    proc = subprocess.run(["bash", "bench/device_pair.sh", "throughput=--help ; bench=norm_throughput --help",
+                           "throughput=--help ; nope",
                            " env=BENCH_ARGS=--help ; throughput "],
                           env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     out = tmp_path / "out"
     assert proc.returncode == 2, proc.stderr  # the unknown stage of GPU 1's group
-    assert "=== throughput exit 0" in (out / "gpu0.log").read_text()
+    gpu0 = (out / "gpu0.log").read_text()
+    assert "=== throughput exit 0" in gpu0 and "=== bench norm_throughput exit 0" in gpu0, gpu0
     assert "=== throughput exit 0" in (out / "gpu1.log").read_text() and "unknown stage nope" in proc.stderr
     both = (out / "both.log").read_text()
     assert "=== BENCH_ARGS=--help" in both and "=== throughput exit 0" in both, both
