@@ -4,7 +4,7 @@ Import it in a process started with ``TRITON_INTERPRET=1`` and call :func:`enabl
 :func:`run_interpreted` starts such a process from a test.
 Four gaps of the interpreter are bridged: autotuners cannot benchmark (the first config is taken); loop
 indices of ``range`` are plain ints inside interpreted kernels while fla calls ``.to()`` on them (fla's
-modules get a ``range`` that yields int32 scalars while a kernel runs); and fla's alias of ``tl.gather`` is not
+modules get a ``range`` that yields int32 scalars while a kernel runs); fla's alias of ``tl.gather`` is not
 patched by the interpreter (fla's modules see ``IS_GATHER_SUPPORTED = False``, so its kernels load the row
 instead of gathering it); and the interpreter's dot has no ``bf16x3`` precision (fla's safe-gate diagonal
 blocks run at ``ieee`` here).
