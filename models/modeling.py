@@ -149,9 +149,10 @@ class KDNModel(KDNPreTrainedModel):
             betas.append(beta)
         if use_cache:
             cache.seen_tokens += T
-        # the last add is a plain FP32 add (one per step): fla's fused add + norm faults here under FSDP2 (illegal
-        # memory access, Triton 3.6, H200; bench/RESULTS.md, session 6) though it runs in every block. The norm
-        # comes back in the sublayers' dtype, as add_norm's: the LM head's under FSDP2 (no autocast there)
+        # the last add is a plain FP32 add (one per step): fla's fused add + norm faulted here under FSDP2 (illegal
+        # memory access, Triton 3.6, H200; bench/RESULTS.md, session 6); the blocks' add_norm now runs our kernel
+        # (kdn.triton_norm), not yet tried in this place. The norm comes back in the sublayers' dtype, as
+        # add_norm's: the LM head's under FSDP2 (no autocast there)
         out = self.norm(h if residual is None else residual + h).to(h.dtype)
         return out, cache, (tuple(betas) if output_beta_eff else None)
 

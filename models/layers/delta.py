@@ -235,24 +235,32 @@ class GatedDeltaNet(_ScalarBetaRule):
         with torch.no_grad():  # fla's Gated DeltaNet draws A from U(0, 16)
             self.front.A_log.copy_(torch.empty_like(self.front.A_log).uniform_(0, 16).clamp_min(1e-4).log())
 
+    @property
+    def checks_safe_gate(self) -> bool:  # type: ignore[override]
+        """Only the KDA fallback (:meth:`runs_as_kda`) reads the check."""
+        return self.runs_as_kda()
+
+    @staticmethod
+    def runs_as_kda() -> bool:
+        """Whether fla refuses this rule's backward here (a Triton miscompilation, fla #640: Hopper, Triton 3.4 to
+        3.7.1, gradients on); the same rule is then KDA with the head's decay on every key channel, whose kernels
+        are not affected."""
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+        return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and torch.is_grad_enabled()
+
     def fla_call(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
-        if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and torch.is_grad_enabled():
-            # fla refuses this rule's backward there (a Triton miscompilation, fla #640); the same rule is KDA
-            # with the head's decay on every key channel, whose kernels are not affected
+        if self.runs_as_kda():  # forward made the check (checks_safe_gate)
             from fla.ops.kda import chunk_kda
-
-            from kdn.triton_ops import safe_gate
 
             gk = g.float()[..., None].expand_as(k).contiguous()
             return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                             safe_gate=bool(safe_gate(g)))
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, safe_gate=bool(check))
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                                       initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
