@@ -39,6 +39,7 @@ from trainer.distributed import build_accelerator, world_size
 from trainer.metrics import MetricLogger, peak_flops
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import Preemption
+from trainer.profiling import StepProfiler
 
 log = logging.getLogger("train")
 
@@ -144,6 +145,8 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
 
     flops_per_token = count_flops_per_token(model_cfg, cfg.data.seq_len)
     peak = peak_flops(device, precision, cfg.trainer.peak_flops)
+    profiler = StepProfiler(run_dir / "profile", cfg.logging.profile.start, cfg.logging.profile.steps,
+                            accelerator.is_main_process, device)
     loss = val_loss = float("nan")
     already_done = state.step >= budget.total_steps
     with MetricLogger(
@@ -155,6 +158,7 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
         t_last, steps_since = time.perf_counter(), 0
         while state.step < budget.total_steps:
             # one optimiser step = grad_accum micro-batches per process
+            profiler.step_begins(state.step)
             lr = scheduler.get_last_lr()[0]
             loss_sum = torch.zeros((), device=device)
             for _ in range(budget.grad_accum):
@@ -178,6 +182,8 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             state.step += 1
             state.tokens_seen += budget.tokens_per_step
             steps_since += 1
+            if (summary := profiler.step_ends(state.step)) is not None:
+                log.info(f"profile of steps {cfg.logging.profile.start + 1}-{state.step}: {summary}")
 
             if state.step % cfg.logging.log_every == 0 or state.step == budget.total_steps:
                 dt = time.perf_counter() - t_last

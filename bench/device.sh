@@ -17,7 +17,8 @@
 #   profile_step   bench.profile_step: a whole model's training step (default: 750M kdn_diag / kdn_iso / kda at
 #                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step_<n>.json (n-th such stage)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
-#   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary -> $OUT
+#   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary, metrics and the
+#                  profiles of steps 21-22 (summaries and traces) -> $OUT
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
 #                  --block-rows 32 64")
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
@@ -125,6 +126,8 @@ for stage in "$@"; do
       cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
       for r in runs/gpu_throughput_750m/[0-9]*; do
         [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
+        [ -f "$r/profile/summary.json" ] && cp "$r/profile/summary.json" "$OUT/throughput750m_$(basename "$r")_profile.json"
+        [ -f "$r/profile/trace.json.gz" ] && cp "$r/profile/trace.json.gz" "$OUT/throughput750m_$(basename "$r")_trace.json.gz"
       done
       ;;
     parity1|parity2|parity2=*|resume2|resume2=*)

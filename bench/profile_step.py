@@ -29,27 +29,7 @@ import models
 from bench.mixer_throughput import RESULTS, write_atomic
 from trainer.distributed import cuda_matmul_defaults
 from trainer.metrics import peak_flops
-
-# Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
-# mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other".
-KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma")),
-    ("optimiser", ("multi_tensor_apply", "adam")),
-    ("pytorch elementwise/copy/reduce", ("at::native", "void at::")),
-    ("norms", ("norm",)),
-    ("swiglu", ("swiglu",)),
-    ("short conv", ("conv1d",)),
-    ("cross-entropy", ("cross_entropy", "logsumexp", "elementwise_mul_kernel")),
-)
-RECURRENCE = "recurrence and gates (Triton)"
-
-
-def kernel_group(name: str) -> str:
-    """The group of a CUDA kernel's name (see ``KERNEL_GROUPS``)."""
-    for group, keys in KERNEL_GROUPS:
-        if any(k in name for k in keys):
-            return group
-    return "other" if name.startswith("void ") else RECURRENCE
+from trainer.profiling import summarize
 
 
 def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor):
@@ -108,27 +88,7 @@ def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, st
     with profile(activities=acts) as prof:
         step()
         sync(device)
-    events = prof.key_averages()
-    if device.type == "cuda":
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.self_device_time_total for e in kernels) / 1e3
-        row["device_busy_ms"] = busy
-        row["device_busy_frac"] = busy / ms
-        groups: dict[str, float] = {}
-        for e in kernels:
-            group = kernel_group(e.key)
-            groups[group] = groups.get(group, 0.0) + e.self_device_time_total / 1e3
-        row["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
-        # the PyTorch operators whose own kernels take the most device time (which op launches the copies, adds)
-        ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
-        row["top_ops"] = [{"name": e.key, "calls": e.count, "ms": e.self_device_time_total / 1e3}
-                          for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]]
-        key = "self_device_time_total"
-    else:
-        kernels = [e for e in events if e.key.startswith("aten::")]
-        key = "self_cpu_time_total"
-    top = sorted(kernels, key=lambda e: -getattr(e, key))[:rows]
-    row["top"] = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3} for e in top]
+    row |= {k: v for k, v in summarize(prof, ms, 1, rows).items() if k != "wall_ms"}  # busy share of the timed step
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()

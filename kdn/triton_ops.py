@@ -45,6 +45,8 @@ Decoding: ``fused_recurrent`` runs gain and memory token by token in one kernel,
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import triton
 import triton.language as tl
@@ -883,6 +885,8 @@ def isotropic_gain(
 # 16-token sub-chunk whose gates fall by at most 75 nats keeps both factors within exp(+-60) (fla.ops.kda.chunk_intra)
 SAFE_GATE_SPREAD = 75.0
 SAFE_GATE_STEPS = 15
+# How the checks read so far went (True: tensor-core path, False: token loop); train.py's profiler reports them.
+SAFE_GATE_READS: Counter[bool] = Counter()
 
 
 class SafeGate:
@@ -903,7 +907,9 @@ class SafeGate:
     def __bool__(self) -> bool:
         if self._event is not None:
             self._event.synchronize()
-        return bool(self._ok)
+        ok = bool(self._ok)
+        SAFE_GATE_READS[ok] += 1
+        return ok
 
 
 def safe_gate(g: Tensor) -> SafeGate:

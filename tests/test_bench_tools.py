@@ -180,7 +180,7 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
 
 
 def test_profile_step_kernel_groups() -> None:
-    from bench.profile_step import RECURRENCE, kernel_group
+    from trainer.profiling import RECURRENCE, kernel_group
 
     assert kernel_group("void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nt_align1>") == "matmul"
     assert kernel_group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"

@@ -62,6 +62,24 @@ def test_warmup_cosine_shape() -> None:
     assert warmup_cosine(0, warmup_steps=0, total_steps=5, min_ratio=0.1) == pytest.approx(1.0)
 
 
+def test_optimizer_is_fused_adamw_with_the_decay_groups() -> None:
+    torch.manual_seed(0)
+    model, ref_model = TinyLM(), TinyLM()
+    ref_model.load_state_dict(model.state_dict())
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    opt = build_optimizer(model, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    assert opt.defaults["fused"]
+    ids = torch.randint(0, 50, (2, 12))
+    for m, o in ((model, opt), (ref_model, ref)):
+        for _ in range(3):
+            m(ids).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_scheduler_state_roundtrips_through_json() -> None:
     model = TinyLM()
     kw = dict(lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)

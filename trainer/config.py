@@ -96,10 +96,18 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    start: int = 10  # profile the optimiser steps start + 1 .. start + steps (trainer.profiling.StepProfiler)
+    steps: int = 0  # 0: off; else <run_dir>/profile/summary.json and trace.json.gz from the main process (the log
+    # interval holding these steps reports the profiler's overhead in its tokens/s)
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 10
     progress: bool = True  # tqdm line on a terminal, else a log line every log_every steps
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass
@@ -240,6 +248,9 @@ def _check_numbers(c: TrainConfig) -> None:
              f"must be >= 1 or null, got {c.backbone.window}")
     _require(c.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {c.data.num_workers}")
     _require(c.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {c.logging.log_every}")
+    for key in ("start", "steps"):
+        value = getattr(c.logging.profile, key)
+        _require(value >= 0, f"logging.profile.{key}", f"must be >= 0, got {value}")
     _choice(c.logging.wandb.mode, "logging.wandb.mode", ("offline", "online", "disabled"))
 
 

@@ -1,0 +1,139 @@
+"""Where a training step's time goes: a torch profile summarised into kernel groups, the device's busy share and
+the top kernels and operators.
+
+``train.py`` profiles optimiser steps ``start + 1 .. start + steps`` of a real run when ``logging.profile.steps``
+is set (:class:`StepProfiler`, writing ``<run_dir>/profile/summary.json`` and a Chrome/Perfetto trace);
+``bench/profile_step.py`` summarises a synthetic step the same way (:func:`summarize`).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
+# mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other".
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma")),
+    ("optimiser", ("multi_tensor_apply", "adam")),
+    ("pytorch elementwise/copy/reduce", ("at::native", "void at::")),
+    ("norms", ("norm",)),
+    ("swiglu", ("swiglu",)),
+    ("short conv", ("conv1d",)),
+    ("cross-entropy", ("cross_entropy", "logsumexp", "elementwise_mul_kernel")),
+)
+RECURRENCE = "recurrence and gates (Triton)"
+
+
+def kernel_group(name: str) -> str:
+    """The group of a CUDA kernel's name (see ``KERNEL_GROUPS``)."""
+    for group, keys in KERNEL_GROUPS:
+        if any(k in name for k in keys):
+            return group
+    return "other" if name.startswith("void ") else RECURRENCE
+
+
+def summarize(prof: profile, wall_ms: float, steps: int, rows: int) -> dict[str, Any]:
+    """Per-step figures of a profile that covered ``steps`` steps in ``wall_ms`` (synchronised at both ends).
+
+    On CUDA: ``device_busy_ms`` (kernel time summed; its shortfall from the wall time is the device idling on the
+    host or a synchronisation), ``device_busy_frac``, ``groups_ms`` (:func:`kernel_group`), ``top`` kernels and
+    ``top_ops`` (the PyTorch operators whose own kernels take the most device time). On the CPU: ``top``
+    operators by their own CPU time. Every time is in ms per step."""
+    events = prof.key_averages()
+    out: dict[str, Any] = {"wall_ms": wall_ms / steps}
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+        groups: dict[str, float] = {}
+        for e in kernels:
+            group = kernel_group(e.key)
+            groups[group] = groups.get(group, 0.0) + e.self_device_time_total / 1e3 / steps
+        ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
+        out |= {"device_busy_ms": busy, "device_busy_frac": busy / out["wall_ms"],
+                "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                "top_ops": [{"name": e.key, "calls": e.count / steps, "ms": e.self_device_time_total / 1e3 / steps}
+                            for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]]}
+        key = "self_device_time_total"
+    else:
+        kernels = [e for e in events if e.key.startswith("aten::")]
+        key = "self_cpu_time_total"
+    top = sorted(kernels, key=lambda e: -getattr(e, key))[:rows]
+    out["top"] = [{"name": e.key[:120], "calls": e.count / steps, "ms": getattr(e, key) / 1e3 / steps} for e in top]
+    return out
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class StepProfiler:
+    """Profiles the optimiser steps ``start + 1 .. start + steps`` of a run on the main process, then writes
+    ``out_dir/summary.json`` (:func:`summarize` plus the safe-gate reads of those steps: how many mixer calls took
+    fla's tensor-core diagonal blocks and how many the exact token loop, ``kdn.triton_ops.safe_gate``) and
+    ``out_dir/trace.json.gz`` (open it in Perfetto or chrome://tracing). ``steps = 0`` or a resumed run already
+    past ``start`` profiles nothing."""
+
+    def __init__(self, out_dir: Path, start: int, steps: int, enabled: bool, device: torch.device,
+                 rows: int = 30) -> None:
+        self.out_dir, self.start, self.steps, self.rows, self.device = out_dir, start, steps, rows, device
+        self.enabled = enabled and steps > 0
+        self._prof: profile | None = None
+        self._t0 = 0.0
+        self._gates: Counter[bool] = Counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step_begins(self, step: int) -> None:
+        """Call before running optimiser step ``step + 1`` (``step`` = the steps done so far)."""
+        if not self.enabled or step != self.start:
+            return
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._sync()
+        self._gates = Counter(_safe_gate_reads())
+        self._prof = profile(activities=acts)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def step_ends(self, step: int) -> Path | None:
+        """Call after optimiser step ``step`` is applied; at the window's end, writes the files and returns the
+        summary's path."""
+        if self._prof is None or step != self.start + self.steps:
+            return None
+        self._sync()
+        wall_ms = (time.perf_counter() - self._t0) * 1e3
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        reads = Counter(_safe_gate_reads())
+        reads.subtract(self._gates)
+        summary = {"steps": [self.start + 1, self.start + self.steps],
+                   "safe_gate_reads": {"tensor_core": reads[True], "token_loop": reads[False]}}
+        summary |= summarize(prof, wall_ms, self.steps, self.rows)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_dir / ".trace.json"
+        prof.export_chrome_trace(str(tmp))
+        _write_atomic(self.out_dir / "trace.json.gz", gzip.compress(tmp.read_bytes()))
+        tmp.unlink()
+        path = self.out_dir / "summary.json"
+        _write_atomic(path, json.dumps(summary, indent=1).encode())
+        return path
+
+
+def _safe_gate_reads() -> Counter[bool]:
+    """``kdn.triton_ops.SAFE_GATE_READS`` when the CUDA backend is importable, else empty."""
+    try:
+        from kdn.triton_ops import SAFE_GATE_READS
+    except ImportError:
+        return Counter()
+    return SAFE_GATE_READS
