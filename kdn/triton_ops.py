@@ -32,9 +32,10 @@ sequence; a program reads its sequence's first row and length from ``cu_seqlens`
 past the end do nothing, and states, carries and scratch are per sequence. The segment holding a sequence's
 last token writes its final state (segment 0 for an empty sequence, whose state passes through).
 
-Memory: Isotropic KDN is exactly fla's ``chunk_kda`` with ``beta`` = the KDN gain. Diagonal KDN runs fla's
-asymmetric chunk-64 kernels with ``kappa`` on the write side and ``k`` on the read side (``DIAG_MEMORY = "asym"``,
-the default), or maps onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` (``"dplr"``).
+Memory: both KDNs run fla's asymmetric chunk-64 kernels (and our WY backward, ``kdn.triton_wy``) with ``kappa`` on
+the write side and ``k`` on the read side; Isotropic KDN's ``kappa = beta k`` makes it KDA's rule (fla's ``chunk_kda``)
+with ``beta`` = the KDN gain. Diagonal KDN can also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the default) onto
+``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
 decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
@@ -939,7 +940,9 @@ ASYM_CHUNK = 64
 class _AsymmetricMemory(torch.autograd.Function):
     """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
     ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
-    ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``).
+    ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``), except the
+    inter-chunk + WY backward, ours (:func:`kdn.triton_wy.chunk_asym_bwd_wy_dqkg`: the same values, split over key
+    blocks, 2x faster on an H200).
 
     ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
     ``S0 [N,H,K,V]`` FP32 or ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
@@ -978,9 +981,11 @@ class _AsymmetricMemory(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv, chunk_precond_kda_bwd_wy_dqkg
+        from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
         from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
         from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+
+        from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
 
         q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices = ctx.saved_tensors
         scale, C = ctx.scale, ASYM_CHUNK
@@ -994,7 +999,7 @@ class _AsymmetricMemory(torch.autograd.Function):
         dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
         dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
                                                      scale=scale, chunk_size=C, **seqs)
-        dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_precond_kda_bwd_wy_dqkg(
+        dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
             q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
             scale=scale, chunk_size=C, **seqs)
         dq, dk, dkappa, _, dg = chunk_precond_kda_bwd_intra(
@@ -1051,20 +1056,18 @@ def isotropic_kdn(
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
-    """Isotropic KDN on CUDA: the fused Triton gain + fla's ``chunk_kda`` with ``beta`` = the KDN gain.
+    """Isotropic KDN on CUDA: the fused Triton gain + the asymmetric memory (:class:`_AsymmetricMemory`) with the
+    write key ``kappa = beta k``, the KDN gain times the key: the rule of fla's ``chunk_kda`` with ``beta`` = the gain,
+    through kernels that train faster (bench/RESULTS.md, session 9).
 
     Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None,
     b0 [N,H])``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``.
     """
-    from fla.ops.kda import chunk_kda
-
     S0, b0 = state
     dt = _mem_dtype(v)
     check = safe_gate(g)  # read after the gain's kernels are queued
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens)
-    o, S = chunk_kda(
-        q=q.to(dt), k=k.to(dt), v=v.to(dt), g=g.float(), beta=beta, scale=scale,
-        initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, safe_gate=bool(check),
-    )
+    k = k.to(dt)
+    o, S = _AsymmetricMemory.apply(q.to(dt), k, k * beta[..., None], v.to(dt), g, None if S0 is None else S0.float(),
+                                   float(scale), output_final_state, cu_seqlens, check)
     return o, (S, bT)

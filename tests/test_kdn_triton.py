@@ -302,3 +302,21 @@ def test_diagonal_asymmetric_varlen_and_zero_memory(monkeypatch: pytest.MonkeyPa
     out = kdn.diagonal_kdn(*lv, initial_state=(None, x["u0"].float()), scale=0.37, backend="triton")[0]
     _record({"variant": "diagonal_asym_zero_memory_scaled", "T": 300, "o": rel_err(out, ref)})
     assert rel_err(out, ref) < TOL["o"], rel_err(out, ref)
+
+
+@pytest.mark.parametrize("B,T,H,K,V", [(2, 1000, 4, 64, 64), (1, 4096, 16, 128, 128), (1, 200, 2, 96, 64)])
+def test_wy_backward_matches_fla(B: int, T: int, H: int, K: int, V: int) -> None:
+    """Our inter-chunk + WY backward (``kdn.triton_wy``) against fla's ``chunk_precond_kda_bwd_wy_dqkg`` on the
+    inputs a bf16 training step gives it: every output within 1e-3 (both round the same bf16 products)."""
+    from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_wy_dqkg
+
+    from bench.wy_throughput import NAMES, _inputs
+    from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
+
+    torch.manual_seed(B + T + H + K + V)
+    x = _inputs(B, T, H, K, V)
+    ref = chunk_precond_kda_bwd_wy_dqkg(**x, scale=K ** -0.5, chunk_size=64)
+    ours = chunk_asym_bwd_wy_dqkg(**x, scale=K ** -0.5, chunk_size=64)
+    errs = {n: rel_err(o, r) for n, o, r in zip(NAMES, ours, ref)}
+    _record({"variant": "wy_backward_vs_fla", "B": B, "T": T, "H": H, "K": K, "V": V, **errs})
+    assert all(e < 1e-3 for e in errs.values()), errs

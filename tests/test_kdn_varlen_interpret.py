@@ -4,8 +4,8 @@ Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch referen
 sequence alone with its own initial uncertainty: values, final states and every gradient. Lengths
 (1, 37, 64, 0, 5, 90) with forced segments of one and two 32-token chunks make segments end inside a sequence,
 at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``triton_ops.diagonal_kdn``
-(``DIAG_MEMORY = "asym"``, fla's asymmetric chunk-64 kernels) and ``isotropic_kdn`` (fla's ``chunk_kda``) with
-``cu_seqlens`` against ``kdn``'s PyTorch backend in float64 (which unpacks into a padded batch), every gradient
+(``DIAG_MEMORY = "asym"``, fla's asymmetric chunk-64 kernels) and ``isotropic_kdn`` (the same, write key ``beta k``)
+with ``cu_seqlens`` against ``kdn``'s PyTorch backend in float64 (which unpacks into a padded batch), every gradient
 including the initial memory ``S0 [N,H,K,V]`` and the uncertainty state. Each runs in a fresh interpreter.
 """
 from __future__ import annotations
