@@ -33,9 +33,9 @@ past the end do nothing, and states, carries and scratch are per sequence. The s
 last token writes its final state (segment 0 for an empty sequence, whose state passes through).
 
 Memory: both KDNs run fla's asymmetric chunk-64 kernels (and our WY backward, ``kdn.triton_wy``) with ``kappa`` on
-the write side and ``k`` on the read side; Isotropic KDN's ``kappa = beta k`` makes it KDA's rule (fla's ``chunk_kda``)
-with ``beta`` = the KDN gain. Diagonal KDN can also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the default) onto
-``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
+the write side and ``k`` on the read side; Isotropic KDN's ``kappa = k`` with the kernels' ``beta`` = the KDN gain
+makes it KDA's rule (fla's ``chunk_kda``). Diagonal KDN can also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the
+default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
 decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
@@ -938,21 +938,23 @@ ASYM_CHUNK = 64
 
 
 class _AsymmetricMemory(torch.autograd.Function):
-    """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
+    """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
     ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
     ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``), except the
     inter-chunk + WY backward, ours (:func:`kdn.triton_wy.chunk_asym_bwd_wy_dqkg`: the same values, split over key
     blocks, 2x faster on an H200).
 
     ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
-    ``S0 [N,H,K,V]`` FP32 or ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
+    ``beta [B,T,H]`` (``kappa``'s dtype; ``None``: ones, the write key is ``kappa`` alone), ``S0 [N,H,K,V]`` FP32 or
+    ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
     the number of sequences. Returns ``o [B,T,H,V]`` and ``S_T [N,H,K,V]`` (``None`` unless asked).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
-        S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate,
+        beta: Tensor | None, S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
+        check: SafeGate,
     ) -> tuple[Tensor, Tensor | None]:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -961,11 +963,12 @@ class _AsymmetricMemory(torch.autograd.Function):
         from fla.ops.utils.constant import RCP_LN2
 
         C = ASYM_CHUNK
+        ctx.same_key = kappa is k  # one key on both sides (Isotropic): its two gradients are summed in FP32
         q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
         seqs = {"cu_seqlens": cu_seqlens,
                 "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
         gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
-        beta = q.new_ones(q.shape[:3])
+        beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
         safe = bool(check)
         w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
             q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
@@ -1002,10 +1005,15 @@ class _AsymmetricMemory(torch.autograd.Function):
         dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
             q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
             scale=scale, chunk_size=C, **seqs)
-        dq, dk, dkappa, _, dg = chunk_precond_kda_bwd_intra(
+        dq, dk, dkappa, dbeta, dg = chunk_precond_kda_bwd_intra(
             q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
             db=dbeta, dg=dg, chunk_size=C, safe_gate=ctx.safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
-        return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dS0, None, None, None, None
+        dbeta = dbeta.to(beta) if ctx.needs_input_grad[5] else None
+        if ctx.same_key:
+            dk, dkappa = dk + dkappa, None
+        else:
+            dkappa = dkappa.to(kappa)
+        return dq.to(q), dk.to(k), dkappa, dv.to(v), dg, dbeta, dS0, None, None, None, None
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -1037,7 +1045,7 @@ def diagonal_kdn(
     if DIAG_MEMORY == "asym":
         check = safe_gate(g)  # read after the gain's kernels are queued
         kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens, omega_softplus=omega_softplus)
-        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None if S0 is None else S0.float(),
+        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None, None if S0 is None else S0.float(),
                                        float(scale), output_final_state, cu_seqlens, check)
         return o, (S, pT)
     if cu_seqlens is not None:
@@ -1056,9 +1064,9 @@ def isotropic_kdn(
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
-    """Isotropic KDN on CUDA: the fused Triton gain + the asymmetric memory (:class:`_AsymmetricMemory`) with the
-    write key ``kappa = beta k``, the KDN gain times the key: the rule of fla's ``chunk_kda`` with ``beta`` = the gain,
-    through kernels that train faster (bench/RESULTS.md, session 9).
+    """Isotropic KDN on CUDA: the fused Triton gain + the asymmetric memory (:class:`_AsymmetricMemory`) with
+    ``kappa = k`` and ``beta`` = the KDN gain: the rule of fla's ``chunk_kda``, through kernels that train faster
+    (bench/RESULTS.md, session 9).
 
     Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None,
     b0 [N,H])``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``.
@@ -1068,6 +1076,6 @@ def isotropic_kdn(
     check = safe_gate(g)  # read after the gain's kernels are queued
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens)
     k = k.to(dt)
-    o, S = _AsymmetricMemory.apply(q.to(dt), k, k * beta[..., None], v.to(dt), g, None if S0 is None else S0.float(),
-                                   float(scale), output_final_state, cu_seqlens, check)
+    o, S = _AsymmetricMemory.apply(q.to(dt), k, k, v.to(dt), g, beta, None if S0 is None else S0.float(), float(scale),
+                                   output_final_state, cu_seqlens, check)
     return o, (S, bT)
