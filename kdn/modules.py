@@ -190,8 +190,10 @@ def input_stage(proj: nn.Module) -> nn.Linear:
 
 
 def finish(proj: nn.Module, y: Tensor) -> Tensor:
-    """``proj(x)`` from ``y = input_stage(proj)(x)``: the rest of a :func:`low_rank`, else ``y``."""
-    return proj[1:](y) if isinstance(proj, nn.Sequential) else y
+    """``proj(x)`` from ``y = input_stage(proj)(x)``: the rest of a :func:`low_rank`, else ``y``. ``y`` (a view of
+    :func:`fused_linear`'s joint output) is made contiguous first, so that a biased stage is one GEMM with the bias
+    in its epilogue: on a strided 3-D input, ``F.linear`` adds the bias in a separate pass over the output."""
+    return proj[1:](y.contiguous()) if isinstance(proj, nn.Sequential) else y
 
 
 def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:

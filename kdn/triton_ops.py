@@ -913,6 +913,31 @@ class SafeGate:
         return ok
 
 
+@triton.jit
+def _steepest_kernel(g_ptr, out_ptr, R, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """``out[r] = -min_k g[r, k]`` for ``BR`` rows of ``g [R, K]`` per program; NaN where a row holds a NaN."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BK)
+    m = (rows[:, None] < R) & (cols[None, :] < K)
+    x = tl.load(g_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    steep = -tl.min(tl.where(m, x, float("inf")), axis=1)
+    nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    tl.store(out_ptr + rows, tl.where(nan, float("nan"), steep), mask=rows < R)
+
+
+def _steepest_triton(g: Tensor) -> Tensor:
+    """``-g.amin(-1)`` in FP32 for ``g [..., K]`` in one pass (torch's ``amin`` over a 128-wide last axis ran at a
+    third of the HBM rate on an H200)."""
+    g = g.contiguous()
+    K = g.shape[-1]
+    out = torch.empty(g.shape[:-1], dtype=torch.float32, device=g.device)
+    R = out.numel()
+    BK = triton.next_power_of_2(K)
+    BR = max(1, 4096 // BK)
+    _steepest_kernel[(triton.cdiv(R, BR),)](g, out, R, K=K, BR=BR, BK=BK, num_warps=4)
+    return out
+
+
 def safe_gate(g: Tensor) -> SafeGate:
     """Whether fla's ``safe_gate`` path is exact for the log-retention ``g`` (``[B,T,H,K]`` per channel or
     ``[B,T,H]`` per head, ``<= 0``): no key channel falls by more than :data:`SAFE_GATE_SPREAD` nats over any
@@ -921,7 +946,11 @@ def safe_gate(g: Tensor) -> SafeGate:
     Conservative: it sums each token's steepest channel, and packed sequences' windows may straddle a boundary.
     Non-finite gates give ``False`` (the exact token loop).
     """
-    steep = (g.detach().amin(-1) if g.dim() == 4 else g.detach()).float().neg()  # [B, T, H]
+    g = g.detach()
+    if g.dim() == 3:
+        steep = g.float().neg()  # [B, T, H]
+    else:
+        steep = _steepest_triton(g) if g.is_cuda and g.numel() else g.amin(-1).float().neg()
     if steep.shape[1] == 0:
         return SafeGate(torch.ones((), dtype=torch.bool, device=g.device))
     w = min(SAFE_GATE_STEPS, steep.shape[1])

@@ -133,3 +133,25 @@ def test_safe_gate_checks_fla_envelope() -> None:
     assert not safe_gate(gates().index_fill_(1, torch.tensor([3]), math.nan))
     head = torch.full((2, 40, 3), -0.5)  # a gate per head (Gated DeltaNet), [B, T, H]
     assert safe_gate(head) and not safe_gate(head.index_fill_(1, torch.arange(10, 25), -5.1))
+
+
+STEEPEST = r"""
+import json, math, torch
+from kdn import triton_ops
+out = {}
+for shape in ((2, 33, 3, 128), (1, 5, 2, 100), (3, 7, 1, 16)):
+    g = -3 * torch.rand(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    rows = g.view(-1, shape[-1])
+    rows[1, 4], rows[2, -1], rows[3, 0] = math.nan, -math.inf, -50.0
+    ours, ref = triton_ops._steepest_triton(g), g.amin(-1).neg()
+    out[str(shape)] = bool(torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.nan_to_num(), ref.nan_to_num()))
+    out[str(shape) + " nan row"] = bool(ours.view(-1)[1].isnan() and ours.view(-1)[2] == math.inf)
+print(json.dumps(out))
+"""
+
+
+def test_steepest_channel_kernel_matches_amin() -> None:
+    """The check's one-pass row minimum (used on CUDA) equals ``-g.amin(-1)`` bitwise, NaN and -inf rows included,
+    for widths below, at and off a power of two."""
+    res = triton_interpret.run_interpreted(STEEPEST)
+    assert all(res.values()) and len(res) == 6, res
