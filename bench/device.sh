@@ -17,7 +17,8 @@
 #   profile_step   bench.profile_step: a whole model's training step (default: 750M kdn_diag / kdn_iso / kda at
 #                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step_<n>.json (n-th such stage)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
-#   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda); summary, metrics and the
+#   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda; `throughput750m=kdn_diag,kda`
+#                  runs those); summary, metrics and the
 #                  profiles of steps 21-22 (summaries and traces) -> $OUT
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
 #                  --block-rows 32 64")
@@ -121,8 +122,8 @@ for stage in "$@"; do
       run_stage train100m bash slurm/gpu_checks.sh 100m
       cp runs/gpu_100m_kdn_diag/summary.json "$OUT/train100m.json" 2>/dev/null
       ;;
-    throughput750m)
-      run_stage throughput750m bash slurm/gpu_checks.sh throughput
+    throughput750m|throughput750m=*)
+      run_stage "$stage" bash slurm/gpu_checks.sh throughput $(stage_arg "$stage" throughput750m)
       cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
       for r in runs/gpu_throughput_750m/[0-9]*; do
         [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
@@ -141,7 +142,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... bench=MODULE... throughput[=ARGS] profile" \
-        "train100m throughput750m parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
+        "train100m throughput750m[=MIXERS] parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

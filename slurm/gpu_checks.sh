@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU measurements of issue 6, for bench/RESULTS.md. Each part stays under 10 minutes on H200s.
 #   slurm/gpu_checks.sh 100m        # one GPU: ~100M KDN, 500 steps, falling loss
-#   slurm/gpu_checks.sh throughput  # one GPU: 750M kdn_diag / kdn_iso / kda side by side
+#   slurm/gpu_checks.sh throughput [MIXERS]  # one GPU: 750M kdn_diag,kdn_iso,kda (or MIXERS) side by side
 #   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves (= parity1, parity2)
 #   slurm/gpu_checks.sh parity1     # its one-GPU reference run alone (it may run beside other work)
 #   slurm/gpu_checks.sh parity2 ["ddp fsdp"]  # its two-GPU runs (default both), each compared with the reference
@@ -24,8 +24,8 @@ case "${1:-}" in
     ;;
   throughput)
     rm -rf runs/gpu_throughput_750m
-    python train.py -m experiment=gpu_throughput_750m mixer=kdn_diag,kdn_iso,kda "${DATA[@]}"
-    python -m trainer.summarize runs/gpu_throughput_750m/{0,1,2} --json runs/gpu_throughput_750m/summary.json
+    python train.py -m experiment=gpu_throughput_750m mixer="${2:-kdn_diag,kdn_iso,kda}" "${DATA[@]}"
+    python -m trainer.summarize runs/gpu_throughput_750m/[0-9]* --json runs/gpu_throughput_750m/summary.json
     ;;
   parity)
     "$0" parity1
