@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from bench.mixer_throughput import write_atomic
 
 
 def _moved_bytes(rows: int, width: int, backward: bool) -> int:
@@ -77,11 +78,7 @@ def main() -> None:
     print("largest relative difference, ours against fla:", {n: f"{v:.1e}" for n, v in diff.items()})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": a.rows, "width": a.width,
               "results": rows, "relative_difference_vs_fla": diff}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(a.out) or ".", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, a.out)
+    write_atomic(Path(a.out), json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from bench.mixer_throughput import write_atomic
 
 NAMES = ("dq", "dk", "dkg", "dv2", "db", "dg", "dA")
 BT = 64
@@ -87,11 +88,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": {"B": a.batch, "T": a.seqlen, "H": a.heads, "K": a.key_dim, "V": a.value_dim, "BT": BT},
               "results": rows, "configs": configs, "relative_difference_vs_fla": diff}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(a.out) or ".", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, a.out)
+    write_atomic(Path(a.out), json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
