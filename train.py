@@ -155,10 +155,11 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             wandb_entity=cfg.logging.wandb.entity, wandb_id=state.wandb_id, run_name=cfg.name, config=asdict(cfg),
     ) as metrics:
         batches = iter(loader)
-        t_last, steps_since = time.perf_counter(), 0
+        t_last, steps_since, timed = time.perf_counter(), 0, True
         while state.step < budget.total_steps:
             # one optimiser step = grad_accum micro-batches per process
             profiler.step_begins(state.step)
+            timed &= not profiler.active  # a log interval holding profiled steps reports no speed
             lr = scheduler.get_last_lr()[0]
             loss_sum = torch.zeros((), device=device)
             for _ in range(budget.grad_accum):
@@ -184,18 +185,20 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             steps_since += 1
             if (summary := profiler.step_ends(state.step)) is not None:
                 log.info(f"profile of steps {cfg.logging.profile.start + 1}-{state.step}: {summary}")
+                t_last, steps_since, timed = time.perf_counter(), 0, True  # the speed window restarts after it
 
             if state.step % cfg.logging.log_every == 0 or state.step == budget.total_steps:
                 dt = time.perf_counter() - t_last
-                tok_s = budget.tokens_per_step * steps_since / dt
+                tok_s = budget.tokens_per_step * steps_since / dt if timed and steps_since else None
                 record = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          "tokens": state.tokens_seen, "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
-                          "mfu": None if peak is None else tok_s / world * flops_per_token / peak,
-                          "eta_s": (budget.total_steps - state.step) * dt / steps_since}
+                          "tokens": state.tokens_seen, "tokens_per_s": tok_s,
+                          "tokens_per_s_per_device": None if tok_s is None else tok_s / world,
+                          "mfu": None if peak is None or tok_s is None else tok_s / world * flops_per_token / peak,
+                          "eta_s": None if tok_s is None else (budget.total_steps - state.step) * dt / steps_since}
                 if device.type == "cuda":
                     record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 metrics.log(record)
-                t_last, steps_since = time.perf_counter(), 0
+                t_last, steps_since, timed = time.perf_counter(), 0, True
             metrics.advance(state.step)
 
             stop = bool(preempted) or state.step == cfg.trainer.stop_after

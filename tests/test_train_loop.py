@@ -115,6 +115,8 @@ def test_profile_window_writes_a_summary_and_trace(tmp_path: Path, shards: list[
     assert out["finished"] and summary["steps"] == [2, 2] and summary["wall_ms"] > 0
     assert summary["top"] and all(t["name"].startswith("aten::") and t["ms"] >= 0 for t in summary["top"])
     assert summary["safe_gate_reads"] == {"tensor_core": 0, "token_loop": 0}  # the CPU path makes no check
+    speeds = [r["tokens_per_s"] for r in records(run)[0]]  # one record a step (logging=quiet)
+    assert speeds[0] > 0 and speeds[1] is None and speeds[2] > 0  # the profiled step's interval has no speed
     import gzip
 
     trace = json.loads(gzip.decompress((run / "profile" / "trace.json.gz").read_bytes()))

@@ -98,8 +98,8 @@ class WandbConfig:
 @dataclass
 class ProfileConfig:
     start: int = 10  # profile the optimiser steps start + 1 .. start + steps (trainer.profiling.StepProfiler)
-    steps: int = 0  # 0: off; else <run_dir>/profile/summary.json and trace.json.gz from the main process (the log
-    # interval holding these steps reports the profiler's overhead in its tokens/s)
+    steps: int = 0  # 0: off; else <run_dir>/profile/summary.json and trace.json.gz from the main process (a log
+    # interval holding profiled steps reports no tokens/s; the next one starts after the profile)
 
 
 @dataclass

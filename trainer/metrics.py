@@ -2,7 +2,8 @@
 
 Every record is one JSON object per line in ``<run_dir>/metrics.jsonl`` with at least ``step``;
 training records add ``loss, lr, grad_norm, tokens, tokens_per_s, tokens_per_s_per_device, mfu,
-eta_s`` (and ``peak_mem_gib`` on CUDA), validation records ``val_loss``.
+eta_s`` (and ``peak_mem_gib`` on CUDA; the speed fields are ``null`` for an interval that held profiled steps,
+``logging.profile``), validation records ``val_loss``.
 """
 from __future__ import annotations
 
@@ -98,13 +99,14 @@ class MetricLogger:
             else:
                 log.info(msg)
             return
-        mfu = record.get("mfu")
+        mfu, tok_s, eta = record.get("mfu"), record.get("tokens_per_s"), record.get("eta_s")
         fields = (f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                  f"tok/s {record['tokens_per_s']:,.0f} | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+                  f"tok/s {'n/a' if tok_s is None else f'{tok_s:,.0f}'} | "
+                  f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
         if self.bar is not None:
             self.bar.set_postfix_str(fields, refresh=False)
         else:
-            log.info(f"step {record['step']} | {fields} | eta {format_eta(record['eta_s'])}")
+            log.info(f"step {record['step']} | {fields} | eta {format_eta(math.nan if eta is None else eta)}")
 
     def advance(self, step: int) -> None:
         """Move the progress bar to ``step``."""

@@ -91,6 +91,11 @@ class StepProfiler:
         self._t0 = 0.0
         self._gates: Counter[bool] = Counter()
 
+    @property
+    def active(self) -> bool:
+        """Whether the current step runs under the profiler."""
+        return self._prof is not None
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
