@@ -8,8 +8,8 @@ is set (:class:`StepProfiler`, writing ``<run_dir>/profile/summary.json`` and a 
 from __future__ import annotations
 
 import gzip
-import json
 import os
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from trainer.checkpoint import write_json_atomic
 
 # Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
 # mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other".
@@ -70,12 +72,6 @@ def summarize(prof: profile, wall_ms: float, steps: int, rows: int) -> dict[str,
     return out
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class StepProfiler:
     """Profiles the optimiser steps ``start + 1 .. start + steps`` of a run on the main process, then writes
     ``out_dir/summary.json`` (:func:`summarize` plus the safe-gate reads of those steps: how many mixer calls took
@@ -126,12 +122,14 @@ class StepProfiler:
                    "safe_gate_reads": {"tensor_core": reads[True], "token_loop": reads[False]}}
         summary |= summarize(prof, wall_ms, self.steps, self.rows)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.out_dir / ".trace.json"
-        prof.export_chrome_trace(str(tmp))
-        _write_atomic(self.out_dir / "trace.json.gz", gzip.compress(tmp.read_bytes()))
-        tmp.unlink()
+        raw, packed = self.out_dir / ".trace.json", self.out_dir / ".trace.json.gz.tmp"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(packed, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(packed, self.out_dir / "trace.json.gz")
+        raw.unlink()
         path = self.out_dir / "summary.json"
-        _write_atomic(path, json.dumps(summary, indent=1).encode())
+        write_json_atomic(path, summary)
         return path
 
 
