@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kdn import api
 from kdn.cache import RecurrentCache
-from kdn.modules import DeltaFrontEnd, current_mask, finish, inv_softplus, low_rank, upcast
+from kdn.modules import DeltaFrontEnd, Linear, current_mask, finish, inv_softplus, low_rank, upcast
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -43,10 +43,10 @@ class _KalmanDelta(nn.Module):
         self.front = DeltaFrontEnd(hidden_size, H, K, conv_size=conv_size, alpha_param=alpha_param,
                                    norm_eps=norm_eps)
         if noise == "learned":
-            self.r_proj = nn.Linear(hidden_size, H, bias=True)
+            self.r_proj = Linear(hidden_size, H, bias=True)
             nn.init.zeros_(self.r_proj.bias)
         if noise != "fixed_r_omega":
-            self.omega_proj = (nn.Linear(hidden_size, H, bias=True) if self.isotropic
+            self.omega_proj = (Linear(hidden_size, H, bias=True) if self.isotropic
                                else low_rank(hidden_size, K, H * K, bias=True))
             last = self.omega_proj if self.isotropic else self.omega_proj[-1]
             nn.init.zeros_(last.weight)

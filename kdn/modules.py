@@ -5,7 +5,8 @@ and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and 
 masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
 same operations run through fused Triton kernels, fla's (short conv, L2 norm, KDA gate, gated RMSNorm) and ours
 (the pre-norm residual add + RMSNorm, ``kdn.triton_norm``), each one pass forward and one backward;
-``FLA_FUSED = False`` turns them off (the GPU tests compare both).
+``FLA_FUSED = False`` turns them off (the GPU tests compare both). Every projection is a :class:`Linear`: under
+autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
 
 Importing this module opts in to fla's Gluon short-convolution kernels (``FLA_CONV_GLUON=1`` unless already set):
 their backward recomputes the activation in registers instead of in a separate pass, which halves the convolutions'
@@ -179,9 +180,66 @@ class GatedRMSNorm(RMSNorm):
         return (self.normed(x) * act(upcast(gate))).to(x.dtype)
 
 
+class _AutocastLinear(torch.autograd.Function):
+    """``(x, bias | None, *weights) -> x @ cat(weights)^T + bias`` under autocast, FP32 weights and bias.
+
+    The weights are cast to the autocast dtype and stacked (``[N, d]``), and the output and the input gradient come
+    from GEMMs in that dtype, as autocast's ``F.linear`` would compute them. The weight gradients leave their GEMM in
+    FP32 (``torch.mm(..., out_dtype=float32)`` on CUDA), where autocast's path rounds them to bf16 and a separate
+    pass casts them back to the weights' FP32: one pass over every weight gradient fewer, and no rounding.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
+        dt = torch.get_autocast_dtype(x.device.type)
+        w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
+        x = x.to(dt)
+        ctx.save_for_backward(x, w)
+        ctx.splits, ctx.has_bias = [m.shape[0] for m in weights], bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, w, None if bias is None else bias.to(dt))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        dy = dy.to(w.dtype)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            dx = dy @ w if ctx.needs_input_grad[0] else None
+            db = dy2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[1] else None
+            if not any(ctx.needs_input_grad[2:]):
+                return dx, db, *(None for _ in ctx.splits)
+            if dy.is_cuda:
+                dw = torch.mm(dy2.t(), x2, out_dtype=torch.float32)
+            else:  # no mixed-dtype GEMM here: the same FP32 result from upcast operands
+                dw = dy2.t().float() @ x2.float()
+        return dx, db, *dw.split(ctx.splits)
+
+
+def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None) -> Tensor:
+    """``x @ cat(weights)^T + bias``: ``x [..., d]``, weights ``[n_i, d]``, ``bias [sum n_i]`` -> ``[..., sum n_i]``.
+
+    Under autocast with FP32 weights (single-device and DDP training) this is :class:`_AutocastLinear`, whose weight
+    gradients come out of the GEMM in FP32; otherwise (FP32 runs, bf16 parameters under FSDP2's mixed precision)
+    ``F.linear`` on the stacked weights. Either way one GEMM each for the output, the input gradient and the weight
+    gradient of all the stacked weights."""
+    ws = [weights] if isinstance(weights, Tensor) else list(weights)
+    if torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws) and (
+            bias is None or bias.dtype == torch.float32):
+        return _AutocastLinear.apply(x, bias, *ws)
+    return F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed through :func:`linear` (FP32 weight gradients under autocast)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:
     """``d_in -> rank -> d_out`` linear bottleneck (no nonlinearity), as KDA's gate projections."""
-    return nn.Sequential(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=bias))
+    return nn.Sequential(Linear(d_in, rank, bias=False), Linear(rank, d_out, bias=bias))
 
 
 def input_stage(proj: nn.Module) -> nn.Linear:
@@ -205,7 +263,7 @@ def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
     if any(m.bias is not None for m in layers.values()):
         bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
                           for m in layers.values()])
-    y = F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
+    y = linear(x, ws, bias)
     return dict(zip(layers, y.split([w.shape[0] for w in ws], -1)))
 
 
@@ -230,15 +288,15 @@ class DeltaFrontEnd(nn.Module):
         self.V = int(head_dim * expand_v)
         self.alpha_param, self.gate = alpha_param, gate
         key_dim, value_dim = self.H * self.K, self.H * self.V
-        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.q_proj = Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = Linear(hidden_size, value_dim, bias=False)
         self.q_conv1d = ShortConv(key_dim, conv_size)
         self.k_conv1d = ShortConv(key_dim, conv_size)
         self.v_conv1d = ShortConv(value_dim, conv_size)
         if gate != "none":
             gate_dim = key_dim if gate == "channel" else self.H
-            self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else nn.Linear(
+            self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else Linear(
                 hidden_size, gate_dim, bias=False)
             A = torch.empty(self.H).uniform_(1, 16)
             dt = torch.exp(torch.rand(gate_dim) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
@@ -254,7 +312,7 @@ class DeltaFrontEnd(nn.Module):
                 self.gate_bias._no_weight_decay = True
         self.g_proj = low_rank(hidden_size, self.V, value_dim, bias=True)
         self.o_norm = GatedRMSNorm(self.V, eps=norm_eps)
-        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.o_proj = Linear(value_dim, hidden_size, bias=False)
 
     def project(self, x: Tensor, extra: dict[str, nn.Module | None] | None = None) -> dict[str, Tensor]:
         """Every projection of the layer input ``x [B, T, d_model]`` in one matmul (:func:`fused_linear`): ``q, k, v``,

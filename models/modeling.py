@@ -17,7 +17,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kdn.modules import fla_fused
+from kdn.modules import Linear, fla_fused, linear
 from models.cache import KDNCache
 from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
@@ -41,20 +41,25 @@ class KDNCausalLMOutput(CausalLMOutputWithPast):
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``, ``x [..., d]``; ``3 d w`` parameters for width ``w``."""
+    """``down(silu(gate(x)) * up(x))``, ``x [..., d]``; ``3 d w`` parameters for width ``w``.
+
+    The gate and up projections run as one GEMM over their stacked weights (``[..., 2w]``), and on CUDA the
+    activation reads that joint output and writes its gradient as one tensor (:func:`kdn.triton_swiglu.swiglu_joint`):
+    the input's gradient is one GEMM, with no add of two and no ``cat`` of split gradients."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if fla_fused(gate):  # one fused pass forward and backward on CUDA
-            from fla.modules.activations import swiglu
+        y = linear(x, [self.gate_proj.weight, self.up_proj.weight])
+        if fla_fused(y):
+            from kdn.triton_swiglu import swiglu_joint
 
-            return self.down_proj(swiglu(gate, up))
+            return self.down_proj(swiglu_joint(y))
+        gate, up = y.chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kdn.cache import RecurrentCache
-from kdn.modules import positions_in_sequence
+from kdn.modules import Linear, positions_in_sequence
 from models.layers.common import check_cu_seqlens, current_mask
 
 
@@ -44,10 +44,10 @@ class Attention(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.window, self.rope_theta, self.layer_idx = window, rope_theta, layer_idx
         inner = num_heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.q_proj = Linear(hidden_size, inner, bias=False)
+        self.k_proj = Linear(hidden_size, inner, bias=False)
+        self.v_proj = Linear(hidden_size, inner, bias=False)
+        self.o_proj = Linear(inner, hidden_size, bias=False)
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None,

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kdn.cache import RecurrentCache
 from kdn.chunk import MEMORY_CHUNK, memory_chunk
-from kdn.modules import DeltaFrontEnd, GatedRMSNorm, upcast
+from kdn.modules import DeltaFrontEnd, GatedRMSNorm, Linear, upcast
 from models.layers.common import (
     RMSNorm,
     check_cu_seqlens,
@@ -52,7 +52,7 @@ class FrontEnd(DeltaFrontEnd):
         super().__init__(hidden_size, num_heads, head_dim, conv_size=conv_size, norm_eps=norm_eps, gate=gate)
         self.output_gate = output_gate
         if output_gate == "swish":
-            self.g_proj = nn.Linear(hidden_size, self.H * self.V, bias=False)
+            self.g_proj = Linear(hidden_size, self.H * self.V, bias=False)
             self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish")
         elif output_gate == "none":
             del self.g_proj
@@ -196,7 +196,7 @@ class _ScalarBetaRule(_DeltaRule):
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
         super().__init__(hidden_size, num_heads, head_dim, **kw)
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.b_proj = Linear(hidden_size, num_heads, bias=False)
 
     def write_projections(self) -> dict[str, nn.Linear]:
         return {"beta": self.b_proj}
@@ -293,8 +293,8 @@ class GDN2(_DeltaRule):
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, **kw: object) -> None:
         super().__init__(hidden_size, num_heads, head_dim, **kw)
-        self.b_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.w_proj = nn.Linear(hidden_size, num_heads * self.front.V, bias=False)
+        self.b_proj = Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.w_proj = Linear(hidden_size, num_heads * self.front.V, bias=False)
 
     def write_projections(self) -> dict[str, nn.Linear]:
         return {"b": self.b_proj, "w": self.w_proj}

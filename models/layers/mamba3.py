@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kdn.cache import RecurrentCache
+from kdn.modules import Linear
 from models.layers._mamba_kernels import UNAVAILABLE, mamba3_kernels
 from models.layers.common import RMSNorm, check_cu_seqlens, current_mask, last_index, repack, unpack_all
 
@@ -180,7 +181,7 @@ class Mamba3(nn.Module):
         self.rotary_dim_divisor = int(2 / rope_fraction)
         self.A_floor, self.layer_idx, self.backend = A_floor, layer_idx, backend
         H, R, N = self.num_heads, self.mimo_rank, state_size
-        self.in_proj = nn.Linear(hidden_size, 2 * self.intermediate_size + 2 * N * n_groups * R + 3 * H
+        self.in_proj = Linear(hidden_size, 2 * self.intermediate_size + 2 * N * n_groups * R + 3 * H
                                  + self.num_rope_angles, bias=False)
         dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
@@ -196,7 +197,7 @@ class Mamba3(nn.Module):
             self.mimo_o = nn.Parameter(torch.ones(H, R, head_dim) / R)
         self.D = nn.Parameter(torch.ones(H))
         self.D._no_weight_decay = True
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
+        self.out_proj = Linear(self.intermediate_size, hidden_size, bias=False)
 
     def _project(self, x: Tensor) -> dict[str, Tensor]:
         """Split ``in_proj(x)``: ``z, x [B,T,H,P]``, normalised ``k`` (B) and ``q`` (C) ``[B,T,R,G,N]``,
