@@ -20,6 +20,8 @@
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda; `throughput750m=kdn_diag,kda`
 #                  runs those); summary, metrics and the
 #                  profiles of steps 21-22 (summaries and traces) -> $OUT
+#   throughput750m_paper  the same at the paper's 0.5M-token batch (slurm/gpu_checks.sh throughput_paper; default
+#                  kdn_diag,kda; `throughput750m_paper=MIXERS`); files named throughput750m_paper*
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
 #                  --block-rows 32 64")
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
@@ -122,13 +124,16 @@ for stage in "$@"; do
       run_stage train100m bash slurm/gpu_checks.sh 100m
       cp runs/gpu_100m_kdn_diag/summary.json "$OUT/train100m.json" 2>/dev/null
       ;;
-    throughput750m|throughput750m=*)
-      run_stage "$stage" bash slurm/gpu_checks.sh throughput $(stage_arg "$stage" throughput750m)
-      cp runs/gpu_throughput_750m/summary.json "$OUT/throughput750m.json" 2>/dev/null
-      for r in runs/gpu_throughput_750m/[0-9]*; do
-        [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/throughput750m_$(basename "$r").jsonl"
-        [ -f "$r/profile/summary.json" ] && cp "$r/profile/summary.json" "$OUT/throughput750m_$(basename "$r")_profile.json"
-        [ -f "$r/profile/trace.json.gz" ] && cp "$r/profile/trace.json.gz" "$OUT/throughput750m_$(basename "$r")_trace.json.gz"
+    throughput750m|throughput750m=*|throughput750m_paper|throughput750m_paper=*)
+      name=${stage%%=*}
+      if [ "$name" = throughput750m ]; then check=throughput run=gpu_throughput_750m
+      else check=throughput_paper run=gpu_throughput_750m_paper_batch; fi
+      run_stage "$stage" bash slurm/gpu_checks.sh $check $(stage_arg "$stage" "$name")
+      cp runs/$run/summary.json "$OUT/$name.json" 2>/dev/null
+      for r in runs/$run/[0-9]*; do
+        [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/${name}_$(basename "$r").jsonl"
+        [ -f "$r/profile/summary.json" ] && cp "$r/profile/summary.json" "$OUT/${name}_$(basename "$r")_profile.json"
+        [ -f "$r/profile/trace.json.gz" ] && cp "$r/profile/trace.json.gz" "$OUT/${name}_$(basename "$r")_trace.json.gz"
       done
       ;;
     parity1|parity2|parity2=*|resume2|resume2=*)
@@ -142,7 +147,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... bench=MODULE... throughput[=ARGS] profile" \
-        "train100m throughput750m[=MIXERS] parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
+        "train100m throughput750m[=MIXERS] throughput750m_paper[=MIXERS] parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

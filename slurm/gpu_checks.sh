@@ -2,6 +2,7 @@
 # The GPU measurements of issue 6, for bench/RESULTS.md. Each part stays under 10 minutes on H200s.
 #   slurm/gpu_checks.sh 100m        # one GPU: ~100M KDN, 500 steps, falling loss
 #   slurm/gpu_checks.sh throughput [MIXERS]  # one GPU: 750M kdn_diag,kdn_iso,kda (or MIXERS) side by side
+#   slurm/gpu_checks.sh throughput_paper [MIXERS]  # the same at the paper's 0.5M-token batch (default kdn_diag,kda)
 #   slurm/gpu_checks.sh parity      # two GPUs: 1-GPU vs 2-GPU (DDP and FSDP) loss curves (= parity1, parity2)
 #   slurm/gpu_checks.sh parity1     # its one-GPU reference run alone (it may run beside other work)
 #   slurm/gpu_checks.sh parity2 ["ddp fsdp"]  # its two-GPU runs (default both), each compared with the reference
@@ -26,6 +27,12 @@ case "${1:-}" in
     rm -rf runs/gpu_throughput_750m
     python train.py -m experiment=gpu_throughput_750m mixer="${2:-kdn_diag,kdn_iso,kda}" "${DATA[@]}"
     python -m trainer.summarize runs/gpu_throughput_750m/[0-9]* --json runs/gpu_throughput_750m/summary.json
+    ;;
+  throughput_paper)
+    rm -rf runs/gpu_throughput_750m_paper_batch
+    python train.py -m experiment=gpu_throughput_750m_paper_batch mixer="${2:-kdn_diag,kda}" "${DATA[@]}"
+    python -m trainer.summarize runs/gpu_throughput_750m_paper_batch/[0-9]* \
+      --json runs/gpu_throughput_750m_paper_batch/summary.json
     ;;
   parity)
     "$0" parity1
@@ -81,7 +88,7 @@ print(sys.argv[1], f'{sum(p.numel() for p in m.parameters()):,} parameters; loss
     exit $rc
     ;;
   *)
-    echo "usage: $0 100m|throughput|parity|parity1|parity2|resume2" >&2
+    echo "usage: $0 100m|throughput|throughput_paper|parity|parity1|parity2|resume2" >&2
     exit 2
     ;;
 esac
