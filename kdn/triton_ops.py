@@ -35,7 +35,9 @@ last token writes its final state (segment 0 for an empty sequence, whose state 
 Memory: both KDNs run fla's asymmetric chunk-64 kernels (and our WY backward, ``kdn.triton_wy``) with ``kappa`` on
 the write side and ``k`` on the read side; Isotropic KDN's ``kappa = k`` with the kernels' ``beta`` = the KDN gain
 makes it KDA's rule (fla's ``chunk_kda``). Diagonal KDN can also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the
-default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``.
+default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain
+and memory are one autograd node (:class:`_DiagonalKDN`): the gain's last backward launch adds the memory's gradients
+of ``k`` and ``g`` to its own, sparing autograd two ``[B,T,H,K]`` sums.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
 decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
@@ -323,12 +325,13 @@ def _diag_carry_bwd_kernel(
 @triton.jit
 def _diag_gain_bwd_kernel(
     k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, post_ptr, lam_ptr, dkappa_ptr, da_ptr, db_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, cu_ptr, T, NS, SEG,
+    dk_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, cu_ptr, T, NS, SEG,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
-    OMEGA_SOFTPLUS: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
-    # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2)
+    # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2);
+    # ACCUMULATE: dk and dg also add the memory's gradients of the same k and g (dk_mem, dg_mem [B,T,H,K]), in FP32
     bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     ok = t0 < t1
     lam = tl.load(lam_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=0.0)
@@ -358,6 +361,9 @@ def _diag_gain_bwd_kernel(
             da = tl.load(da_ptr + idx, mask=mk, other=0.0).to(tl.float32) * tl.exp(g)
             dk += da
             dg += da * kf
+        if ACCUMULATE:
+            dk += tl.load(dk_mem_ptr + idx, mask=mk, other=0.0).to(tl.float32)
+            dg += tl.load(dg_mem_ptr + idx, mask=mk, other=0.0).to(tl.float32)
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=mk)
         tl.store(dg_ptr + idx, dg, mask=mk)
         if OMEGA_SOFTPLUS:
@@ -727,6 +733,71 @@ def _check_gain_shapes(
     return N, L
 
 
+def _diag_tiles(H: int, K: int, cu_seqlens: Tensor | None) -> dict[str, int | bool]:
+    """The Diagonal gain kernels' shared launch parameters."""
+    return {"H": H, "K": K, "BK": triton.next_power_of_2(K), "IS_VARLEN": cu_seqlens is not None,
+            "num_warps": _DIAG_WARPS}
+
+
+def _diag_gain_fwd(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
+    cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool,
+) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
+    """The Diagonal gain's forward launches: ``((kappa, [a, b,] p_T), saved)``, ``saved`` what
+    :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``)."""
+    B, T, H, K = k.shape
+    k = k.contiguous()
+    omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
+    g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
+    SEG, NS = gain_segments(False, N * H, L)
+    kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
+    a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
+    seg = p0.new_empty(N * H, NS, 4, K)
+    carry = p0.new_empty(N * H, NS, K)
+    pT = torch.empty_like(p0)
+    tiles = _diag_tiles(H, K, cu_seqlens)
+    act = {"OMEGA_SOFTPLUS": omega_softplus}
+    _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
+    _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
+    _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
+                                       EMIT_AB=emit_ab, **tiles, **act)
+    return (kappa, a, b, pT) if emit_ab else (kappa, pT), (k, g, omega, r, mu, carry, cu_seqlens)
+
+
+def _diag_gain_bwd(
+    saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
+    omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor | None, ...]:
+    """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0)`` from ``saved``
+    (:func:`_diag_gain_fwd`) and the gradients of its outputs ``grads = (dkappa, [da, db,] dp_T)``.
+    ``mem_grads = (dk_mem, dg_mem)``, ``[B,T,H,K]`` each (any float dtype): further gradients of the same ``k``
+    and ``g``, added in the last launch (in FP32; ``dk`` is stored in ``k``'s dtype). ``dmu`` is ``None``
+    unless ``need_dmu``."""
+    k, g, omega, r, mu, carry, cu_seqlens = saved
+    H, K = k.shape[2:]
+    SEG, NS = gain_segments(False, N * H, L)
+    dkappa, *rest, dpT = (x.contiguous() for x in grads)
+    da, db = rest if emit_ab else (dkappa, dkappa)
+    dk_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dkappa, dkappa)
+    post = torch.empty_like(g)
+    seg = carry.new_empty(N * H, NS, 2, K)
+    lam = torch.empty_like(carry)
+    dk = torch.empty_like(k)
+    dg, dw = torch.empty_like(g), torch.empty_like(omega)  # dw: of omega's input when omega_softplus
+    dr = torch.empty_like(r)
+    dp0 = carry.new_empty(N, H, K)
+    dmu = carry.new_empty(N, H, NS)
+    tiles = _diag_tiles(H, K, cu_seqlens)
+    act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
+    _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
+                                      SEG, **tiles, **act)
+    _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
+    _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, post, lam, dkappa, da, db, dk_mem, dg_mem, dk,
+                                       dg, dw, dr, dmu, cu_seqlens, L, NS, SEG, ACCUMULATE=mem_grads is not None,
+                                       **tiles, **act)
+    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0
+
+
 class _DiagonalGain(torch.autograd.Function):
     """``(k, g, omega, r, mu, p0) -> (kappa, [a, b,] p_T)``: the fused Diagonal gain, forward and backward.
 
@@ -742,52 +813,15 @@ class _DiagonalGain(torch.autograd.Function):
         p0: Tensor, out_dtype: torch.dtype, emit_ab: bool, cu_seqlens: Tensor | None, N: int, L: int,
         omega_softplus: bool,
     ) -> tuple[Tensor, ...]:
-        B, T, H, K = k.shape
-        k = k.contiguous()
-        omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
-        g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
-        SEG, NS = gain_segments(False, N * H, L)
-        kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
-        a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
-        seg = p0.new_empty(N * H, NS, 4, K)
-        carry = p0.new_empty(N * H, NS, K)
-        pT = torch.empty_like(p0)
-        tiles = {"H": H, "K": K, "BK": triton.next_power_of_2(K), "IS_VARLEN": cu_seqlens is not None,
-                 "num_warps": _DIAG_WARPS}
-        act = {"OMEGA_SOFTPLUS": omega_softplus}
-        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
-        _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
-        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
-                                           EMIT_AB=emit_ab, **tiles, **act)
-        ctx.save_for_backward(k, g, omega, r, mu, carry, cu_seqlens)
+        outs, saved = _diag_gain_fwd(k, g, omega, r, mu, p0, out_dtype, emit_ab, cu_seqlens, N, L, omega_softplus)
+        ctx.save_for_backward(*saved)
         ctx.emit_ab, ctx.seqs, ctx.omega_softplus = emit_ab, (N, L), omega_softplus
-        return (kappa, a, b, pT) if emit_ab else (kappa, pT)
+        return outs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        k, g, omega, r, mu, carry, cu_seqlens = ctx.saved_tensors
-        H, K = k.shape[2:]
-        N, L = ctx.seqs
-        SEG, NS = gain_segments(False, N * H, L)
-        dkappa, *rest, dpT = (x.contiguous() for x in grads)
-        da, db = rest if ctx.emit_ab else (dkappa, dkappa)
-        post = torch.empty_like(g)
-        seg = carry.new_empty(N * H, NS, 2, K)
-        lam = torch.empty_like(carry)
-        dk = torch.empty_like(k)
-        dg, dw = torch.empty_like(g), torch.empty_like(omega)  # dw: of omega's input when omega_softplus
-        dr = torch.empty_like(r)
-        dp0 = carry.new_empty(N, H, K)
-        dmu = carry.new_empty(N, H, NS)
-        tiles = {"H": H, "K": K, "BK": triton.next_power_of_2(K), "IS_VARLEN": cu_seqlens is not None,
-                 "num_warps": _DIAG_WARPS}
-        act = {"EMIT_AB": ctx.emit_ab, "OMEGA_SOFTPLUS": ctx.omega_softplus}
-        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
-                                          SEG, **tiles, **act)
-        _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
-        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, post, lam, dkappa, da, db, dk, dg, dw, dr,
-                                           dmu, cu_seqlens, L, NS, SEG, **tiles, **act)
-        dmu = dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None
+        dk, dg, dw, dr, dmu, dp0 = _diag_gain_bwd(ctx.saved_tensors, grads, ctx.emit_ab, *ctx.seqs,
+                                                  ctx.omega_softplus, ctx.needs_input_grad[4])
         return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None, None
 
 
@@ -966,6 +1000,68 @@ DPLR_CHUNK = 16
 ASYM_CHUNK = 64
 
 
+def _asym_memory_fwd(
+    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
+    output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
+    """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
+    ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check`` (:func:`safe_gate`; read just
+    before the first kernel that needs it): whether fla's tensor-core diagonal blocks were taken."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+
+    C = ASYM_CHUNK
+    q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
+    seqs = {"cu_seqlens": cu_seqlens,
+            "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
+    gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
+    beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
+    safe = bool(check)
+    w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
+        q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
+    h, v_new, S = chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
+    return o.to(q.dtype), S, (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"]), safe
+
+
+def _asym_memory_bwd(
+    saved: tuple[Tensor | None, ...], scale: float, safe: bool, do: Tensor, dS: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """The asymmetric memory's backward launches from ``saved`` (:func:`_asym_memory_fwd`) and the gradients of
+    ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs' dtypes, ``dg``
+    (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
+    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
+    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+
+    from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
+
+    q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices = saved
+    C = ASYM_CHUNK
+    seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
+    do = do.contiguous()
+    # recompute the WY representation and the chunk states (as fla's KDA backward does)
+    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                     output_qg=True, output_kg=True, **seqs)
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
+                                               output_final_state=False, chunk_size=C, **seqs)
+    dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
+    dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
+                                                 scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
+        q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+        scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkappa, dbeta, dg = chunk_precond_kda_bwd_intra(
+        q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
+        db=dbeta, dg=dg, chunk_size=C, safe_gate=safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
+    return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dbeta, dS0
+
+
 class _AsymmetricMemory(torch.autograd.Function):
     """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
     ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
@@ -985,64 +1081,56 @@ class _AsymmetricMemory(torch.autograd.Function):
         beta: Tensor | None, S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
         check: SafeGate,
     ) -> tuple[Tensor, Tensor | None]:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
-        from fla.ops.utils.constant import RCP_LN2
-
-        C = ASYM_CHUNK
         ctx.same_key = kappa is k  # one key on both sides (Isotropic): its two gradients are summed in FP32
-        q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
-        seqs = {"cu_seqlens": cu_seqlens,
-                "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
-        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
-        beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
-        safe = bool(check)
-        w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
-            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
-        h, v_new, S = chunk_gated_delta_rule_fwd_h(
-            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
-        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
-        ctx.save_for_backward(q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"])
-        ctx.scale, ctx.safe = scale, safe
-        return o.to(q.dtype), S
+        o, S, saved, ctx.safe = _asym_memory_fwd(q, k, kappa, v, g, beta, S0, scale, output_final_state, cu_seqlens,
+                                                 check)
+        ctx.save_for_backward(*saved)
+        ctx.scale = scale
+        return o, S
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
-        from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
-        from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
-
-        from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
-
-        q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices = ctx.saved_tensors
-        scale, C = ctx.scale, ASYM_CHUNK
-        seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
-        do = do.contiguous()
-        # recompute the WY representation and the chunk states (as fla's KDA backward does)
-        w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                         output_qg=True, output_kg=True, **seqs)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
-                                                   output_final_state=False, chunk_size=C, **seqs)
-        dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
-        dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
-                                                     scale=scale, chunk_size=C, **seqs)
-        dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
-            q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-            scale=scale, chunk_size=C, **seqs)
-        dq, dk, dkappa, dbeta, dg = chunk_precond_kda_bwd_intra(
-            q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
-            db=dbeta, dg=dg, chunk_size=C, safe_gate=ctx.safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
-        dbeta = dbeta.to(beta) if ctx.needs_input_grad[5] else None
+        saved = ctx.saved_tensors
+        dq, dk, dkappa, dv, dg, dbeta, dS0 = _asym_memory_bwd(saved, ctx.scale, ctx.safe, do, dS)
+        dbeta = dbeta.to(saved[5]) if ctx.needs_input_grad[5] else None  # saved[5]: beta
         if ctx.same_key:
             dk, dkappa = dk + dkappa, None
-        else:
-            dkappa = dkappa.to(kappa)
-        return dq.to(q), dk.to(k), dkappa, dv.to(v), dg, dbeta, dS0, None, None, None, None
+        return dq, dk, dkappa, dv, dg, dbeta, dS0, None, None, None, None
+
+
+class _DiagonalKDN(torch.autograd.Function):
+    """``(q, k, v, g, omega, r, mu, p0, S0) -> (o, S_T, p_T)``: the fused Diagonal gain feeding the asymmetric
+    memory (``kappa`` its write key), one autograd node. Its backward runs the memory's, then the gain's, whose
+    last launch adds the memory's gradients of ``k`` and ``g`` to the gain's own (no separate ``[B,T,H,K]`` sums).
+
+    ``q, v`` in the memory's dtype (``kappa``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest
+    as :func:`diagonal_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`_sequences`, ``check`` :func:`safe_gate`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
+        r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
+        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus)
+        o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
+                                               cu_seqlens, check)
+        ctx.save_for_backward(*gain, *mem)
+        ctx.n_gain, ctx.seqs, ctx.omega_softplus, ctx.scale = len(gain), (N, L), omega_softplus, scale
+        return o, S, pT
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None, dpT: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        saved, n = ctx.saved_tensors, ctx.n_gain
+        dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS)
+        dk, dg, dw, dr, dmu, dp0 = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs, ctx.omega_softplus,
+                                                  ctx.needs_input_grad[6], (dk_mem, dg_mem))
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, None, None, None, None, None, None, None
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -1073,9 +1161,9 @@ def diagonal_kdn(
                          "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
     if DIAG_MEMORY == "asym":
         check = safe_gate(g)  # read after the gain's kernels are queued
-        kappa, pT = diagonal_gain(k, g, omega, r, mu, p0, dt, cu_seqlens=cu_seqlens, omega_softplus=omega_softplus)
-        o, S = _AsymmetricMemory.apply(q.to(dt), k.to(dt), kappa, v.to(dt), g, None, None if S0 is None else S0.float(),
-                                       float(scale), output_final_state, cu_seqlens, check)
+        N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
+        o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
+                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check)
         return o, (S, pT)
     if cu_seqlens is not None:
         raise NotImplementedError("triton_ops.diagonal_kdn takes cu_seqlens only with DIAG_MEMORY = 'asym'; packed "
@@ -1108,3 +1196,4 @@ def isotropic_kdn(
     o, S = _AsymmetricMemory.apply(q.to(dt), k, k, v.to(dt), g, beta, None if S0 is None else S0.float(), float(scale),
                                    output_final_state, cu_seqlens, check)
     return o, (S, bT)
+

@@ -8,10 +8,16 @@ Isotropic kernels' chunk boundaries (32 tokens), ``K`` is not a power of two, so
 forget strongly (``g`` down to -12). Small forced segments (``triton_ops._SEG_OVERRIDE``) run the sequence-
 parallel path: 4 Diagonal segments of 24 tokens and 3 Isotropic ones of a chunk, the last partial; by the
 default rule the Diagonal cases have segments of 64 tokens (2 here), the Isotropic ones a single segment.
+Diagonal KDN's gain and asymmetric memory as one autograd node (``triton_ops.diagonal_kdn``), padded and packed,
+against the float64 reference and the unfused composition: :func:`fused_errors`.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
+from kdn_inputs import make_inputs, make_state, rel_err
 
 pytest.importorskip("triton")
 triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
@@ -98,6 +104,76 @@ print(json.dumps({"errors": out, "segments": segments}))
 """
 
 
+def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool, H: int, K: int,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, dict[str, float]]:
+    """``triton_ops.diagonal_kdn`` (``DIAG_MEMORY = "asym"``: the gain and the memory one autograd node), ``q, k, v``
+    in ``dtype``, ``mu`` and ``S0`` leaves, padded (``lens`` None) or packed; ``softplus``: ``omega`` before its
+    softplus. Relative distances of its output, final states and every gradient to the float64 PyTorch backend
+    (``ref``), to the unfused composition ``diagonal_gain`` + ``_AsymmetricMemory`` (``unfused``: autograd sums the
+    two gradients of ``k`` and of ``g``), and to that composition with the memory's gradients of ``k`` and ``g`` cut
+    (``dropped``: what a missing accumulate would give)."""
+    import kdn
+    from kdn import triton_ops
+
+    names = ("q", "k", "v", "g", "omega", "r")
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=device)
+    N = B if lens is None else len(lens)
+    x = make_inputs(B, T, H, K, K, seed=T, g_min=g_min)
+    if softplus:  # omega's input: both signs, some far below 0
+        x["omega"] = torch.randn(x["omega"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+        x["omega"][:, :5] -= 20.0
+    x["S0"], x["u0"] = make_state(N, H, K, K, isotropic=False)
+    x["mu"] = torch.tensor([3.0, float(K)] * (H // 2), dtype=torch.float64)
+
+    def unfused(lv: dict[str, torch.Tensor], drop: bool) -> tuple[torch.Tensor, ...]:
+        check = triton_ops.safe_gate(lv["g"])
+        kappa, pT = triton_ops.diagonal_gain(*(lv[n] for n in ("k", "g", "omega", "r", "mu", "u0")), dtype,
+                                             cu_seqlens=cu, omega_softplus=softplus)
+        k, g = (lv["k"].detach(), lv["g"].detach()) if drop else (lv["k"], lv["g"])
+        o, S = triton_ops._AsymmetricMemory.apply(lv["q"], k, kappa, lv["v"], g, None, lv["S0"], 0.37, True, cu,
+                                                  check)
+        return o, S, pT
+
+    def run(kind: str) -> dict[str, torch.Tensor]:
+        ref = kind == "ref"
+        dts = {n: torch.float64 if ref else dtype if n in "qkv" else torch.float32 for n in x}
+        lv = {n: t.detach().to(device, dts[n]).requires_grad_() for n, t in x.items()}  # fresh leaves
+        kw = {"scale": 0.37, "cu_seqlens": cu, "omega_softplus": softplus}
+        if ref:
+            o, (S, uT) = kdn.diagonal_kdn(*(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]),
+                                          output_final_state=True, backend="torch", **kw)
+        elif kind == "fused":
+            o, (S, uT) = triton_ops.diagonal_kdn(*(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), **kw)
+        else:
+            o, S, uT = unfused(lv, kind == "dropped")
+        gen = torch.Generator(device=device).manual_seed(0)
+        ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64, device=device) for t in (o, S, uT)]
+        sum((t.double() * u).sum() for t, u in zip((o, S, uT), ups)).backward()
+        return {"o": o.detach(), "S": S.detach(), "uT": uT.detach()} | {"d" + n: t.grad for n, t in lv.items()}
+
+    res = {kind: run(kind) for kind in ("ref", "fused", "unfused", "dropped")}
+    return {kind: {n: rel_err(res["fused"][n], res[kind][n]) for n in res["ref"]}
+            for kind in ("ref", "unfused", "dropped")}
+
+
+FUSED = r"""
+import json, sys, torch
+sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
+from kdn import triton_ops
+from test_kdn_triton_interpret import fused_errors
+triton_ops.DIAG_MEMORY = "asym"
+triton_ops._SEG_OVERRIDE = 24  # several gain segments a sequence: the accumulate runs in each
+cases = {  # name: (lengths of packed sequences or None, B, T, g_min, omega before its softplus)
+    "padded": (None, 2, 77, -3.0, True),
+    "packed": ((37, 64, 9), 1, 110, -12.0, False),
+}
+out = {name: fused_errors(*case, H=2, K=16) for name, case in cases.items()}
+print(json.dumps(out))
+"""
+
+
 def test_triton_kernels_in_interpreter_match_reference() -> None:
     report = triton_interpret.run_interpreted(SCRIPT, timeout=300)
     results = report["errors"]
@@ -129,3 +205,19 @@ def test_segment_rule() -> None:
             triton_ops.gain_segments(True, 2, 100)
     finally:
         triton_ops._SEG_OVERRIDE = None
+
+
+def test_fused_diagonal_gain_and_memory_in_interpreter() -> None:
+    """The Diagonal gain and memory as one autograd node (the gain's last backward launch adds the memory's gradients
+    of ``k`` and ``g``, :func:`fused_errors`), FP32 with ``S0``: padded (``omega`` before its softplus, fla's
+    tensor-core diagonal blocks) and packed (strong forgetting: fla's token loop), 24-token gain segments. Every
+    output and gradient (``mu``, ``S0``, ``p0`` included) matches the float64 reference and equals the unfused
+    composition; with the memory's gradients of ``k`` and ``g`` cut, exactly ``dk`` and ``dg`` differ."""
+    pytest.importorskip("fla")
+    report = triton_interpret.run_interpreted(FUSED)
+    assert len(report) == 2
+    for case, r in report.items():
+        assert len(r["ref"]) == 12 and max(r["ref"].values()) < 5e-5, (case, r["ref"])
+        assert max(r["unfused"].values()) < 1e-6, (case, r["unfused"])
+        dropped = {n: e for n, e in r["dropped"].items() if e > 1e-6}
+        assert dropped.keys() == {"dk", "dg"} and min(dropped.values()) > 1e-3, (case, r["dropped"])

@@ -6,7 +6,8 @@ sequence alone with its own initial uncertainty: values, final states and every 
 at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``triton_ops.diagonal_kdn``
 (``DIAG_MEMORY = "asym"``, fla's asymmetric chunk-64 kernels) and ``isotropic_kdn`` (the same, write key ``beta k``)
 with ``cu_seqlens`` against ``kdn``'s PyTorch backend in float64 (which unpacks into a padded batch), every gradient
-including the initial memory ``S0 [N,H,K,V]`` and the uncertainty state. Each runs in a fresh interpreter.
+including ``mu``, the initial memory ``S0 [N,H,K,V]`` and the uncertainty state (the Diagonal gain and memory as one
+fused node: ``tests/test_kdn_triton_interpret.py``). Each runs in a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool,
                   device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """``triton_ops.diagonal_kdn`` (the current ``DIAG_MEMORY``) or ``isotropic_kdn`` with ``cu_seqlens``,
     ``q, k, v`` in ``dtype``, against ``kdn``'s PyTorch backend in float64: relative errors of the output, the
-    final states and every gradient (``S0 [N,H,K,V]`` when ``with_S0``, else a zero memory)."""
+    final states and every gradient (``mu``; ``S0 [N,H,K,V]`` when ``with_S0``, else a zero memory)."""
     import kdn
     from kdn import triton_ops
 
@@ -98,15 +99,16 @@ def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool,
     x = make_inputs(1, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
     S0, u0 = make_state(N, H, K, K, isotropic=iso)
     l64 = {n: x[n].to(device).requires_grad_() for n in MEMORY_NAMES} | {"u0": u0.to(device).requires_grad_()}
+    l64["mu"] = torch.tensor([3.0, float(K)] * (H // 2), dtype=torch.float64, device=device).requires_grad_()
     if with_S0:
         l64["S0"] = S0.to(device).requires_grad_()
     l32 = {n: t.detach().to(dtype if n in ("q", "k", "v") else torch.float32).requires_grad_() for n, t in l64.items()}
-    mu = torch.tensor([3.0, float(K)] * (H // 2), device=device)
     fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
-    o64, (S64, e64) = fn(*(l64[n] for n in MEMORY_NAMES), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
+    o64, (S64, e64) = fn(*(l64[n] for n in MEMORY_NAMES), mu=l64["mu"], initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, cu_seqlens=cu, backend="torch")
     tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
-    o32, (S32, e32) = tf(*(l32[n] for n in MEMORY_NAMES), mu, (l32.get("S0"), l32["u0"]), scale=0.37, cu_seqlens=cu)
+    o32, (S32, e32) = tf(*(l32[n] for n in MEMORY_NAMES), l32["mu"], (l32.get("S0"), l32["u0"]), scale=0.37,
+                         cu_seqlens=cu)
     gen = torch.Generator(device=device).manual_seed(0)
     ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64, device=device) for t in (o64, S64, e64)]
     sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
@@ -156,7 +158,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kdn import triton_ops as t
 
-BF16 = ("k_ptr", "kappa_ptr", "a_ptr", "b_ptr", "dk_ptr", "dkappa_ptr", "da_ptr", "db_ptr", "beta_ptr", "dbeta_ptr")
+BF16 = ("k_ptr", "kappa_ptr", "a_ptr", "b_ptr", "dk_ptr", "dkappa_ptr", "da_ptr", "db_ptr", "beta_ptr", "dbeta_ptr",
+        "dk_mem_ptr")
 DIAG = (t._diag_seg_fwd_kernel, t._diag_carry_fwd_kernel, t._diag_gain_fwd_kernel, t._diag_seg_bwd_kernel,
         t._diag_carry_bwd_kernel, t._diag_gain_bwd_kernel)
 ISO = (t._iso_seg_fwd_kernel, t._iso_gain_fwd_kernel, t._iso_seg_bwd_kernel, t._iso_gain_bwd_kernel)
@@ -181,8 +184,8 @@ n = 0
 for varlen, t_is_one, K in ((True, False, 128), (True, False, 64), (False, True, 128)):
     BK = triton.next_power_of_2(K)
     for kernel in DIAG:
-        emit = {"EMIT_AB": True} if "EMIT_AB" in kernel.arg_names else {}
-        compile_for_sm90(kernel, {"H": 8, "K": K, "BK": BK, "IS_VARLEN": varlen} | emit, varlen, t_is_one,
+        flags = {f: True for f in ("EMIT_AB", "ACCUMULATE") if f in kernel.arg_names}  # their branches on
+        compile_for_sm90(kernel, {"H": 8, "K": K, "BK": BK, "IS_VARLEN": varlen} | flags, varlen, t_is_one,
                          t._DIAG_WARPS)
         n += 1
     if K == 128:
