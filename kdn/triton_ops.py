@@ -34,8 +34,9 @@ last token writes its final state (segment 0 for an empty sequence, whose state 
 
 Memory: both KDNs run fla's asymmetric chunk-64 kernels (and our WY backward, ``kdn.triton_wy``) with ``kappa`` on
 the write side and ``k`` on the read side; Isotropic KDN's ``kappa = k`` with the kernels' ``beta`` = the KDN gain
-makes it KDA's rule (fla's ``chunk_kda``). Diagonal KDN can also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the
-default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain
+makes it KDA's rule (fla's ``chunk_kda``), which is how the KDA baseline runs too (:func:`kda`). Diagonal KDN can
+also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k,
+b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain
 and memory are one autograd node (:class:`_DiagonalKDN`): the gain's last backward launch adds the memory's gradients
 of ``k`` and ``g`` to its own, sparing autograd two ``[B,T,H,K]`` sums.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
@@ -1197,3 +1198,20 @@ def isotropic_kdn(
                                    output_final_state, cu_seqlens, check)
     return o, (S, bT)
 
+
+def kda(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: Tensor | None = None, check: SafeGate | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """KDA's rule (fla's ``chunk_kda``: ``S_t = D_t S_{t-1} + beta_t k_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale
+    q_t^T S_t``) through the asymmetric memory with ``kappa = k`` (:class:`_AsymmetricMemory`), whose backward is
+    faster than ``chunk_kda``'s (bench/RESULTS.md, session 10), as Isotropic KDN runs it.
+
+    ``q, k: [B,T,H,K]``, ``v [B,T,H,V]`` (one dtype), ``g [B,T,H,K]`` log-retention, ``beta [B,T,H]`` (``q``'s dtype),
+    ``initial_state [N,H,K,V]`` FP32 or ``None``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``;
+    ``check``: :func:`safe_gate` of ``g`` (made here when ``None``). Returns ``o [B,T,H,V]`` and ``S_T`` (``None``
+    unless ``output_final_state``).
+    """
+    check = safe_gate(g) if check is None else check
+    S0 = None if initial_state is None else initial_state.float()
+    return _AsymmetricMemory.apply(q, k, k, v, g, beta, S0, float(scale), output_final_state, cu_seqlens, check)

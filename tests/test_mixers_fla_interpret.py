@@ -1,9 +1,10 @@
 """The delta-rule baselines' fla kernel paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-FP32, one fresh interpreter: for Gated DeltaNet, KDA and GDN-2, the ``backend="fla"`` path (with fla's fused
-front end) against the PyTorch path, output and every gradient, on a padded batch; and our layer against fla's
-own layer with the mapped weights. DeltaNet is left to the GPU test (``tests/test_mixers_gpu.py``): fla's
-``chunk_delta_rule`` refuses FP32 and the interpreter's bf16 emulation overflows.
+FP32, one fresh interpreter: for Gated DeltaNet, KDA (through ``kdn.triton_ops.kda``) and GDN-2, the
+``backend="fla"`` path (with fla's fused front end) against the PyTorch path, output and every gradient, on a
+padded batch; and our layer against fla's own layer with the mapped weights. DeltaNet is left to the GPU test
+(``tests/test_mixers_gpu.py``): fla's ``chunk_delta_rule`` refuses FP32 and the interpreter's bf16 emulation
+overflows.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
 import triton_interpret
-triton_interpret.enable("fla.layers", "fla.ops.gated_delta_rule", "fla.ops.kda", "fla.ops.gdn2")
+triton_interpret.enable("fla.layers", "fla.ops.gated_delta_rule", "fla.ops.kda", "fla.ops.gdn2",
+                        "fla.ops.precond_kda.chunk")
 from fla import layers as fla_layers
 from kdn import modules
 from kdn_inputs import rel_err

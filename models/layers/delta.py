@@ -10,7 +10,7 @@ Projections, short convolutions, the retention gate and the output block come fr
 
 Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
 ``r``, write vector ``kappa``, value ``u``), which :func:`kdn.chunk.memory_chunk` scans on any device
-(``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``).
+(``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``; KDA through ours, :class:`KDA`).
 Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents.
 """
 from __future__ import annotations
@@ -256,18 +256,20 @@ class GatedDeltaNet(_ScalarBetaRule):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         if self.runs_as_kda():  # forward made the check (checks_safe_gate)
-            from fla.ops.kda import chunk_kda
+            from kdn.triton_ops import kda
 
             gk = g.float()[..., None].expand_as(k).contiguous()
-            return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, safe_gate=bool(check))
+            return kda(q, k, v, gk, terms["beta"].to(q.dtype), self.head_dim ** -0.5, S0, output_final_state,
+                       cu_seqlens, check)
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                                       initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
 
 
 class KDA(_ScalarBetaRule):
-    """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head."""
+    """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head. On CUDA the rule
+    runs through :func:`kdn.triton_ops.kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it: fla's
+    chunk-64 kernels with our faster WY backward), the values of fla's ``chunk_kda``."""
 
     gate = "channel"
     output_gate_default = "sigmoid"
@@ -277,11 +279,10 @@ class KDA(_ScalarBetaRule):
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
-        from fla.ops.kda import chunk_kda
+        from kdn.triton_ops import kda
 
-        return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
-                         initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         safe_gate=bool(check))
+        return kda(q, k, v, g.float(), terms["beta"].to(q.dtype), self.head_dim ** -0.5, S0, output_final_state,
+                   cu_seqlens, check)
 
 
 class GDN2(_DeltaRule):
