@@ -255,16 +255,17 @@ def finish(proj: nn.Module, y: Tensor) -> Tensor:
 
 
 def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
-    """``{name: layer(x)}`` in one matmul over the stacked weights (zero bias where a layer has none): ``x`` is read
-    once, and its gradient is one GEMM instead of one per layer plus the adds that sum them. ``x [..., d]``; each
-    output is a view ``[..., out_features]`` of the joint result."""
-    ws = [m.weight for m in layers.values()]
-    bias = None
-    if any(m.bias is not None for m in layers.values()):
-        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                          for m in layers.values()])
-    y = linear(x, ws, bias)
-    return dict(zip(layers, y.split([w.shape[0] for w in ws], -1)))
+    """``{name: layer(x)}`` in one matmul over the stacked weights: ``x`` is read once, and its gradient is one GEMM
+    instead of one per layer plus the adds that sum them. ``x [..., d]``; each output is a view ``[..., out_features]``
+    of the joint result, or, for a layer with a bias, that view plus its bias (in the output's dtype). The biases
+    are added per layer, not in the joint GEMM: there a bias gradient would be a reduction over every column of the
+    joint output, zeros included (the biased layers here are narrow: KDN's per-head noise projections)."""
+    y = linear(x, [m.weight for m in layers.values()])
+    out = dict(zip(layers, y.split([m.out_features for m in layers.values()], -1)))
+    for name, m in layers.items():
+        if m.bias is not None:
+            out[name] = out[name] + m.bias.to(y.dtype)
+    return out
 
 
 class DeltaFrontEnd(nn.Module):

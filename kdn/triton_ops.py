@@ -162,6 +162,22 @@ def _diag_dkappa(dkappa_ptr, db_ptr, row, h, offs_k, ok, H: tl.constexpr, K: tl.
 
 
 @triton.jit
+def _diag_mem_grads(dk_ptr, dg_ptr, row, h, offs_k, ok, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                    ACCUMULATE: tl.constexpr):
+    # the memory's gradients of k and g at token `row` in FP32 (zeros unless ACCUMULATE and ok), loaded a token
+    # ahead of their use in the gain's backward, like its other per-token inputs
+    if ACCUMULATE:
+        idx = (row * H + h) * K + offs_k
+        m = _chan(offs_k, K, ok)
+        dkm = tl.load(dk_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        dgm = tl.load(dg_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    else:
+        dkm = tl.zeros([BK], tl.float32)
+        dgm = tl.zeros([BK], tl.float32)
+    return dkm, dgm
+
+
+@triton.jit
 def _diag_program(cu_ptr, mu_ptr, T, SEG, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                   IS_VARLEN: tl.constexpr):
     # this program's (sequence*head bh, segment s): its head, the sequence's first row, the segment's tokens
@@ -332,7 +348,8 @@ def _diag_gain_bwd_kernel(
 ):
     # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
     # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2);
-    # ACCUMULATE: dk and dg also add the memory's gradients of the same k and g (dk_mem, dg_mem [B,T,H,K]), in FP32
+    # ACCUMULATE: dk and dg also add the memory's gradients of the same k and g (dk_mem, dg_mem [B,T,H,K]), in FP32,
+    # prefetched a token ahead
     bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     ok = t0 < t1
     lam = tl.load(lam_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=0.0)
@@ -342,12 +359,14 @@ def _diag_gain_bwd_kernel(
     kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + last, h, offs_k, ok, H, K, OMEGA_SOFTPLUS)
     dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + last, h, offs_k, ok, H, K, EMIT_AB)
     pp = tl.load(post_ptr + ((bos + last - 1) * H + h) * K + offs_k, mask=_chan(offs_k, K, last > t0), other=1.0)
+    dkm, dgm = _diag_mem_grads(dk_mem_ptr, dg_mem_ptr, bos + last, h, offs_k, ok, H, K, BK, ACCUMULATE)
     for j in range(t1 - t0):
         t = t1 - 1 - j
         nok = t - 1 >= t0
         kn, gn, wn, rn = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + t - 1, h, offs_k, nok, H, K, OMEGA_SOFTPLUS)
         dkn = _diag_dkappa(dkappa_ptr, db_ptr, bos + t - 1, h, offs_k, nok, H, K, EMIT_AB)
         ppn = tl.load(post_ptr + ((bos + t - 2) * H + h) * K + offs_k, mask=_chan(offs_k, K, t - 2 >= t0), other=1.0)
+        dkmn, dgmn = _diag_mem_grads(dk_mem_ptr, dg_mem_ptr, bos + t - 1, h, offs_k, nok, H, K, BK, ACCUMULATE)
         p_prev = tl.where(t > t0, pp, p_in)
         a, ph, k2, d, srow = _diag_predict(p_prev, kf, g, w, r, mu)
         u = mu / r * k2
@@ -362,9 +381,8 @@ def _diag_gain_bwd_kernel(
             da = tl.load(da_ptr + idx, mask=mk, other=0.0).to(tl.float32) * tl.exp(g)
             dk += da
             dg += da * kf
-        if ACCUMULATE:
-            dk += tl.load(dk_mem_ptr + idx, mask=mk, other=0.0).to(tl.float32)
-            dg += tl.load(dg_mem_ptr + idx, mask=mk, other=0.0).to(tl.float32)
+        dk += dkm
+        dg += dgm
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=mk)
         tl.store(dg_ptr + idx, dg, mask=mk)
         if OMEGA_SOFTPLUS:
@@ -375,7 +393,7 @@ def _diag_gain_bwd_kernel(
         tl.store(dr_ptr + (bos + t) * H + h, -c / srow - tl.sum(du * u, axis=0) / r)
         dmu += du * k2 / r
         lam = a * dph
-        kf, g, w, r, dkap, pp = kn, gn, wn, rn, dkn, ppn
+        kf, g, w, r, dkap, pp, dkm, dgm = kn, gn, wn, rn, dkn, ppn, dkmn, dgmn
     tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
 
 
