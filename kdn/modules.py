@@ -195,7 +195,7 @@ class _AutocastLinear(torch.autograd.Function):
         w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
         x = x.to(dt)
         ctx.save_for_backward(x, w)
-        ctx.splits, ctx.has_bias = [m.shape[0] for m in weights], bias is not None
+        ctx.splits = [m.shape[0] for m in weights]
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, w, None if bias is None else bias.to(dt))
 
@@ -206,7 +206,7 @@ class _AutocastLinear(torch.autograd.Function):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             dx = dy @ w if ctx.needs_input_grad[0] else None
-            db = dy2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[1] else None
+            db = dy2.sum(0, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # False without a bias
             if not any(ctx.needs_input_grad[2:]):
                 return dx, db, *(None for _ in ctx.splits)
             if dy.is_cuda:

@@ -36,9 +36,9 @@ Memory: both KDNs run fla's asymmetric chunk-64 kernels (and our WY backward, ``
 the write side and ``k`` on the read side; Isotropic KDN's ``kappa = k`` with the kernels' ``beta`` = the KDN gain
 makes it KDA's rule (fla's ``chunk_kda``), which is how the KDA baseline runs too (:func:`kda`). Diagonal KDN can
 also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k,
-b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain
-and memory are one autograd node (:class:`_DiagonalKDN`): the gain's last backward launch adds the memory's gradients
-of ``k`` and ``g`` to its own, sparing autograd two ``[B,T,H,K]`` sums.
+b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain and memory are one autograd node (:class:`_DiagonalKDN`): the
+gain's last backward launch adds the memory's gradients of ``k`` and ``g`` to its own, sparing autograd two
+``[B,T,H,K]`` sums.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
 decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
@@ -1200,9 +1200,9 @@ def isotropic_kdn(
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
-    """Isotropic KDN on CUDA: the fused Triton gain + the asymmetric memory (:class:`_AsymmetricMemory`) with
-    ``kappa = k`` and ``beta`` = the KDN gain: the rule of fla's ``chunk_kda``, through kernels that train faster
-    (bench/RESULTS.md, session 9).
+    """Isotropic KDN on CUDA: the fused Triton gain + KDA's rule with ``beta`` = the KDN gain (:func:`kda`: the
+    asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``; bench/RESULTS.md,
+    session 9).
 
     Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None,
     b0 [N,H])``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``.
@@ -1211,9 +1211,7 @@ def isotropic_kdn(
     dt = _mem_dtype(v)
     check = safe_gate(g)  # read after the gain's kernels are queued
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens)
-    k = k.to(dt)
-    o, S = _AsymmetricMemory.apply(q.to(dt), k, k, v.to(dt), g, beta, None if S0 is None else S0.float(), float(scale),
-                                   output_final_state, cu_seqlens, check)
+    o, S = kda(q.to(dt), k.to(dt), v.to(dt), g, beta, scale, S0, output_final_state, cu_seqlens, check)
     return o, (S, bT)
 
 
