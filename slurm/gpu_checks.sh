@@ -23,16 +23,12 @@ case "${1:-}" in
     python train.py experiment=gpu_100m_kdn_diag "${DATA[@]}"
     python -m trainer.summarize runs/gpu_100m_kdn_diag --json runs/gpu_100m_kdn_diag/summary.json
     ;;
-  throughput)
-    rm -rf runs/gpu_throughput_750m
-    python train.py -m experiment=gpu_throughput_750m mixer="${2:-kdn_diag,kdn_iso,kda}" "${DATA[@]}"
-    python -m trainer.summarize runs/gpu_throughput_750m/[0-9]* --json runs/gpu_throughput_750m/summary.json
-    ;;
-  throughput_paper)
-    rm -rf runs/gpu_throughput_750m_paper_batch
-    python train.py -m experiment=gpu_throughput_750m_paper_batch mixer="${2:-kdn_diag,kda}" "${DATA[@]}"
-    python -m trainer.summarize runs/gpu_throughput_750m_paper_batch/[0-9]* \
-      --json runs/gpu_throughput_750m_paper_batch/summary.json
+  throughput|throughput_paper)
+    if [ "$1" = throughput ]; then exp=gpu_throughput_750m mixers=kdn_diag,kdn_iso,kda
+    else exp=gpu_throughput_750m_paper_batch mixers=kdn_diag,kda; fi
+    rm -rf "runs/$exp"
+    python train.py -m experiment=$exp mixer="${2:-$mixers}" "${DATA[@]}"
+    python -m trainer.summarize "runs/$exp"/[0-9]* --json "runs/$exp/summary.json"
     ;;
   parity)
     "$0" parity1
