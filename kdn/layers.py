@@ -70,7 +70,7 @@ class _KalmanDelta(nn.Module):
         """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32, from the front end's
         projections ``p`` (``p["omega"]``, ``p["r"]`` where learned). With ``omega_logits`` and a learned ``omega``,
         its value before the softplus, in the projection's dtype."""
-        like = p["q"]  # [B, T, H*K], in the projections' dtype and device
+        like = p["v"]  # [B, T, H, V], in the projections' dtype and device
         B, T = like.shape[:2]
         H, K = self.num_heads, self.head_dim
         shape = (B, T, H) if self.isotropic else (B, T, H, K)
@@ -105,8 +105,9 @@ class _KalmanDelta(nn.Module):
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
-        p = self.front.project(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)})
-        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
+        p, conv = self.front.inputs(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)},
+                                    last["conv"] if last else None, cu_seqlens, use_cache)
+        q, k, v = p["q"], p["k"], p["v"]
         g = self.front.log_retention(p)
         logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
         omega, r = self.noise_terms(p, omega_logits=logits)

@@ -32,6 +32,7 @@ def inv_softplus(y: Tensor | float) -> Tensor:
 
 
 FLA_FUSED = True
+L2_EPS = 1e-12  # under the root of the L2 norm of q and k (fla's l2norm; the CPU path clamps the norm at it)
 os.environ.setdefault("FLA_CONV_GLUON", "1")
 
 
@@ -54,7 +55,7 @@ def l2_normalize(x: Tensor) -> Tensor:
     if fla_fused(x):
         from fla.modules.norm.l2norm import l2norm
 
-        return l2norm(x, eps=1e-12)
+        return l2norm(x, eps=L2_EPS)
     return F.normalize(upcast(x), dim=-1).to(x.dtype)
 
 
@@ -257,10 +258,15 @@ def finish(proj: nn.Module, y: Tensor) -> Tensor:
 def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
     """``{name: layer(x)}`` in one matmul over the stacked weights: ``x`` is read once, and its gradient is one GEMM
     instead of one per layer plus the adds that sum them. ``x [..., d]``; each output is a view ``[..., out_features]``
-    of the joint result, or, for a layer with a bias, that view plus its bias (in the output's dtype). The biases
-    are added per layer, not in the joint GEMM: there a bias gradient would be a reduction over every column of the
-    joint output, zeros included (the biased layers here are narrow: KDN's per-head noise projections)."""
-    y = linear(x, [m.weight for m in layers.values()])
+    of the joint result (:func:`split_outputs`)."""
+    return split_outputs(linear(x, [m.weight for m in layers.values()]), layers)
+
+
+def split_outputs(y: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
+    """The ``layers``' outputs from their joint output ``y [..., sum out_features]``: views, or for a layer with a
+    bias, that view plus its bias (in ``y``'s dtype). The biases are added per layer, not in the joint GEMM: there a
+    bias gradient would be a reduction over every column of the joint output, zeros included (the biased layers here
+    are narrow: KDN's per-head noise projections)."""
     out = dict(zip(layers, y.split([m.out_features for m in layers.values()], -1)))
     for name, m in layers.items():
         if m.bias is not None:
@@ -315,32 +321,42 @@ class DeltaFrontEnd(nn.Module):
         self.o_norm = GatedRMSNorm(self.V, eps=norm_eps)
         self.o_proj = Linear(value_dim, hidden_size, bias=False)
 
-    def project(self, x: Tensor, extra: dict[str, nn.Module | None] | None = None) -> dict[str, Tensor]:
-        """Every projection of the layer input ``x [B, T, d_model]`` in one matmul (:func:`fused_linear`): ``q, k, v``,
-        the retention gate's ``f`` and the output gate's ``g`` (first stage when low-rank), and the mixer's ``extra``
-        projections (``None`` skipped; :func:`finish` completes a low-rank one). Returns name -> ``[B, T, width]``."""
+    def inputs(
+        self, x: Tensor, extra: dict[str, nn.Module | None] | None = None,
+        conv_state: tuple[Tensor, Tensor, Tensor] | None = None, cu_seqlens: Tensor | None = None,
+        use_cache: bool = False,
+    ) -> tuple[dict[str, Tensor], tuple | None]:
+        """Every projection of the layer input ``x [B, T, d_model]`` from one matmul (:func:`fused_linear`), with
+        ``q, k, v`` through their short convs: ``(p, conv cache)``. ``p`` maps ``q, k [B, T, H, K]`` (L2-normalised,
+        ``q`` not scaled), ``v [B, T, H, V]``, the retention gate's ``f`` and the output gate's ``g`` (first stage when
+        low-rank) and the mixer's ``extra`` projections (``None`` skipped; :func:`finish` completes a low-rank one)
+        to ``[B, T, width]``. The cache (``use_cache``) holds each stream's last inputs. On CUDA in training
+        (no cache, width-4 convolutions), the convolutions read the joint projection and write its gradient in one
+        fused pass each way (:func:`kdn.triton_conv.front_conv`)."""
         layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
         if self.gate != "none":
             layers["f"] = input_stage(self.f_proj)
         if hasattr(self, "g_proj"):
             layers["g"] = input_stage(self.g_proj)
         layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
-        return fused_linear(x, layers)
+        y = linear(x, [m.weight for m in layers.values()])
+        if conv_state is None and not use_cache and self.q_conv1d.kernel_size[0] == 4 and fla_fused(y):
+            from kdn.triton_conv import front_conv
 
-    def qkv(
-        self, p: dict[str, Tensor], conv_state: tuple[Tensor, Tensor, Tensor] | None = None,
-        cu_seqlens: Tensor | None = None, use_cache: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor, tuple | None]:
-        """L2-normalised ``q, k`` and ``v`` from the projections ``p`` (:meth:`project`), each through its short
-        conv. ``q`` is not scaled here."""
+            w = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+            q, k, v, rest = front_conv(y, w, self.H, self.K, self.V, L2_EPS, cu_seqlens)
+            p = split_outputs(rest, {n: m for n, m in layers.items() if n not in ("q", "k", "v")})
+            p.update(q=q, k=k, v=v)
+            return p, None
+        p = split_outputs(y, layers)
         cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
         q, cq = self.q_conv1d(p["q"], cq, cu_seqlens, use_cache)
         k, ck = self.k_conv1d(p["k"], ck, cu_seqlens, use_cache)
         v, cv = self.v_conv1d(p["v"], cv, cu_seqlens, use_cache)
         B, T = q.shape[:2]
-        q = l2_normalize(q.view(B, T, self.H, self.K))
-        k = l2_normalize(k.view(B, T, self.H, self.K))
-        return q, k, v.view(B, T, self.H, self.V), ((cq, ck, cv) if use_cache else None)
+        p.update(q=l2_normalize(q.view(B, T, self.H, self.K)), k=l2_normalize(k.view(B, T, self.H, self.K)),
+                 v=v.view(B, T, self.H, self.V))
+        return p, ((cq, ck, cv) if use_cache else None)
 
     def log_retention(self, p: dict[str, Tensor]) -> Tensor:
         """``g = log(alpha) <= 0`` from the projections ``p``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]``

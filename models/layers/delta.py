@@ -60,7 +60,7 @@ class FrontEnd(DeltaFrontEnd):
 
     def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
         """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``; ``p``:
-        the projections of the layer input (:meth:`project`)."""
+        the projections of the layer input (``DeltaFrontEnd.inputs``)."""
         if self.output_gate == "sigmoid":
             return super().output(o, p)
         B, T = o.shape[:2]
@@ -141,18 +141,19 @@ class _DeltaRule(nn.Module, abc.ABC):
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
-        p = self.front.project(x, self.write_projections())
+        p, conv = self.front.inputs(x, self.write_projections(), last["conv"] if last else None, cu_seqlens,
+                                    use_cache)
         g = self.front.log_retention(p) if self.gate != "none" else None
         if mask is not None and g is not None:  # padded tokens are identity steps: no key, no decay
             g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
         fla = self.resolve_backend(x.device) == "fla"
         check = None
-        if fla and self.checks_safe_gate:  # read in fla_call, once the convolutions below are queued
+        if fla and self.checks_safe_gate:  # read in fla_call, once write_terms' kernels are queued
             from kdn.triton_ops import safe_gate
 
             check = safe_gate(g)
         terms = self.write_terms(p)
-        q, k, v, conv = self.front.qkv(p, last["conv"] if last else None, cu_seqlens, use_cache)
+        q, k, v = p["q"], p["k"], p["v"]
         if mask is not None:
             k = k * mask[..., None, None].to(k.dtype)
         S0 = last["recurrent"] if last is not None else None
