@@ -32,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from data import PrepareConfig, TokenLoader, load_tokenizer, prepare
+from kdn.modules import cached_weight_casts
 from models import build_model, count_flops_per_token
 from trainer.checkpoint import Checkpointer, TrainState, export_hf
 from trainer.config import ConfigError, TrainConfig, build_model_config, derive_budget, load_config
@@ -162,12 +163,13 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             timed &= not profiler.active  # a log interval holding profiled steps reports no speed
             lr = scheduler.get_last_lr()[0]
             loss_sum = torch.zeros((), device=device)
-            for _ in range(budget.grad_accum):
-                batch = to_device(next(batches), device)
-                with accelerator.accumulate(model):
-                    micro_loss = model(**batch).loss
-                    accelerator.backward(micro_loss)
-                loss_sum += micro_loss.detach().float()
+            with cached_weight_casts():  # the micro-batches share one bf16 cast of the weights
+                for _ in range(budget.grad_accum):
+                    batch = to_device(next(batches), device)
+                    with accelerator.accumulate(model):
+                        micro_loss = model(**batch).loss
+                        accelerator.backward(micro_loss)
+                    loss_sum += micro_loss.detach().float()
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), o.grad_clip))
             # one collective per step: the mean loss and whether any process got a preemption signal
             flag = torch.tensor(float(preemption.requested), device=device)

@@ -15,9 +15,11 @@ where they do not apply (decoding caches, runs with ``torch.distributed`` initia
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -193,7 +195,12 @@ class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
         dt = torch.get_autocast_dtype(x.device.type)
-        w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
+        key = (dt, *(id(m) for m in weights))
+        w = _CAST_CACHE.get(key) if _CAST_CACHE is not None else None
+        if w is None:
+            w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
+            if _CAST_CACHE is not None:
+                _CAST_CACHE[key] = w
         x = x.to(dt)
         ctx.save_for_backward(x, w)
         ctx.splits = [m.shape[0] for m in weights]
@@ -215,6 +222,22 @@ class _AutocastLinear(torch.autograd.Function):
             else:  # no mixed-dtype GEMM here: the same FP32 result from upcast operands
                 dw = dy2.t().float() @ x2.float()
         return dx, db, *dw.split(ctx.splits)
+
+
+_CAST_CACHE: dict[tuple, Tensor] | None = None
+
+
+@contextlib.contextmanager
+def cached_weight_casts() -> Iterator[None]:
+    """Inside, :func:`linear` casts (and stacks) each set of FP32 weights to the autocast dtype once and reuses the
+    result, instead of once per call: ``train.py`` wraps one optimiser step's micro-batches, which all read the same
+    weights. The weights must not change inside (the optimiser steps outside); leaving drops the casts."""
+    global _CAST_CACHE
+    outer, _CAST_CACHE = _CAST_CACHE, {}
+    try:
+        yield
+    finally:
+        _CAST_CACHE = outer
 
 
 def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None) -> Tensor:

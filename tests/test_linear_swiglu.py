@@ -2,6 +2,8 @@
 (``kdn.triton_swiglu.swiglu_joint``: the CPU through Triton's interpreter, and CUDA), against float64."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,33 @@ def _check_autocast_linear(device: str, bias: bool) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_under_autocast_has_fp32_weight_gradients(bias: bool) -> None:
     _check_autocast_linear("cpu", bias)
+
+
+def test_cached_weight_casts_reuse_one_cast_and_keep_the_gradients() -> None:
+    """Inside ``cached_weight_casts`` two micro-batches share one cast of the stacked weights (the same tensor is saved
+    for both backwards) and accumulate the same gradients as without it; outside, every call casts afresh."""
+    from kdn import modules
+
+    gen = torch.Generator().manual_seed(6)
+    x, ws, b = _operands("cpu", True, gen)
+    dys = [torch.randn(3, 37, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]
+
+    def grads(cached: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        leaves = [t.clone().requires_grad_() for t in [*ws, b]]
+        saved = []
+        with modules.cached_weight_casts() if cached else contextlib.nullcontext():
+            for dy in dys:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = linear(x, leaves[:3], leaves[3])
+                saved.append(y.grad_fn.saved_tensors[1])  # the stacked bf16 weights
+                y.backward(dy)
+        return [t.grad for t in leaves], saved
+
+    (g_plain, s_plain), (g_cached, s_cached) = grads(False), grads(True)
+    assert s_cached[0] is s_cached[1] and s_plain[0] is not s_plain[1]
+    assert modules._CAST_CACHE is None  # dropped on leaving
+    for a, c in zip(g_plain, g_cached):
+        assert torch.equal(a, c)
 
 
 def test_linear_without_autocast_is_f_linear() -> None:
