@@ -3,8 +3,9 @@
 Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
 and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding
 masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
-same operations run through fused Triton kernels, fla's (short conv, L2 norm, KDA gate, gated RMSNorm) and ours
-(the pre-norm residual add + RMSNorm, ``kdn.triton_norm``), each one pass forward and one backward;
+same operations run through fused Triton kernels, ours (in training the three short convs with the L2 norms of
+``q`` and ``k``, ``kdn.triton_conv``; the pre-norm residual add + RMSNorm, ``kdn.triton_norm``) and fla's (short
+conv and L2 norm with a decoding cache, KDA gate, gated RMSNorm), each one pass forward and one backward;
 ``FLA_FUSED = False`` turns them off (the GPU tests compare both). Every projection is a :class:`Linear`: under
 autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
 
