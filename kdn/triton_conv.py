@@ -48,6 +48,18 @@ def _setup(w_ptr, j0, H, K, V, W: tl.constexpr, G: tl.constexpr, BD: tl.constexp
 
 
 @triton.jit
+def _stream(stream, q_ptr, k_ptr, v_ptr, H, K, V):
+    # the tensor of the program's stream (q, k or v: their outputs, or their outputs' gradients) and its row stride
+    if stream == 0:
+        ptr = q_ptr
+    elif stream == 1:
+        ptr = k_ptr
+    else:
+        ptr = v_ptr
+    return ptr, tl.where(stream < 2, H * K, H * V)
+
+
+@triton.jit
 def _row(ptr, t, stride, col, c, width, lo, hi):
     # row t of a [rows, stride] tensor at the columns col [G, BD] (channels c < width) in FP32, zeros unless
     # lo <= t < hi (a comparison: the interpreter rejects a vector & a scalar mask)
@@ -112,13 +124,7 @@ def _front_conv1d_fwd_kernel(y_ptr, w_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, M, T, s
     # registers; the next row is loaded a token ahead
     j0 = tl.program_id(1) * G
     stream, is_qk, width, own, col, c, mc, w0, w1, w2, w3 = _setup(w_ptr, j0, H, K, V, W, G, BD)
-    if stream == 0:
-        out_ptr = q_ptr
-    elif stream == 1:
-        out_ptr = k_ptr
-    else:
-        out_ptr = v_ptr
-    out_stride = tl.where(is_qk, H * K, H * V)
+    out_ptr, out_stride = _stream(stream, q_ptr, k_ptr, v_ptr, H, K, V)
     t0 = tl.program_id(0).to(tl.int64) * L
     t1 = tl.minimum(t0 + L, M)
     lo = _bounds(t0, t1, T, M, MASKED)[0]
@@ -154,13 +160,7 @@ def _front_conv1d_bwd_kernel(y_ptr, w_ptr, pos_ptr, dq_ptr, dk_ptr, dv_ptr, dy_p
     # output gradient are loaded a token ahead
     j0 = tl.program_id(1) * G
     stream, is_qk, width, own, col, c, mc, w0, w1, w2, w3 = _setup(w_ptr, j0, H, K, V, W, G, BD)
-    if stream == 0:
-        do_ptr = dq_ptr
-    elif stream == 1:
-        do_ptr = dk_ptr
-    else:
-        do_ptr = dv_ptr
-    do_stride = tl.where(is_qk, H * K, H * V)
+    do_ptr, do_stride = _stream(stream, dq_ptr, dk_ptr, dv_ptr, H, K, V)
     i_t = tl.program_id(0).to(tl.int64)
     t0 = i_t * L
     t1 = tl.minimum(t0 + L, M)

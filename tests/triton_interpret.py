@@ -39,6 +39,27 @@ def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def compile_for_hopper(script: str, cache_dir: Path, timeout: int = 600) -> str:
+    """Run ``script`` (``python -c``) with the compiler, not the interpreter, and a fresh ``TRITON_CACHE_DIR`` at the
+    repository root, to compile kernels for sm_90 on the CPU with Triton's bundled ptxas (the test is skipped when
+    there is none); it must succeed. Returns its stdout."""
+    import pytest
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(90).path
+    except (RuntimeError, FileNotFoundError):
+        ptxas = None
+    if not ptxas:
+        pytest.skip("Triton's NVIDIA backend has no ptxas here")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _scalar(i: int) -> tl.core.tensor:
     return tl.core.tensor(interpreter.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
 
