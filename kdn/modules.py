@@ -274,23 +274,18 @@ def input_stage(proj: nn.Module) -> nn.Linear:
 
 def finish(proj: nn.Module, y: Tensor) -> Tensor:
     """``proj(x)`` from ``y = input_stage(proj)(x)``: the rest of a :func:`low_rank`, else ``y``. ``y`` (a view of
-    :func:`fused_linear`'s joint output) is made contiguous first, so that a biased stage is one GEMM with the bias
+    :func:`split_outputs`' joint output) is made contiguous first, so that a biased stage is one GEMM with the bias
     in its epilogue: on a strided 3-D input, ``F.linear`` adds the bias in a separate pass over the output."""
     return proj[1:](y.contiguous()) if isinstance(proj, nn.Sequential) else y
 
 
-def fused_linear(x: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
-    """``{name: layer(x)}`` in one matmul over the stacked weights: ``x`` is read once, and its gradient is one GEMM
-    instead of one per layer plus the adds that sum them. ``x [..., d]``; each output is a view ``[..., out_features]``
-    of the joint result (:func:`split_outputs`)."""
-    return split_outputs(linear(x, [m.weight for m in layers.values()]), layers)
-
-
 def split_outputs(y: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
-    """The ``layers``' outputs from their joint output ``y [..., sum out_features]``: views, or for a layer with a
-    bias, that view plus its bias (in ``y``'s dtype). The biases are added per layer, not in the joint GEMM: there a
-    bias gradient would be a reduction over every column of the joint output, zeros included (the biased layers here
-    are narrow: KDN's per-head noise projections)."""
+    """``{name: layer(x)}`` from ``y = linear(x, [m.weight for m in layers.values()])``, the joint output
+    ``[..., sum out_features]`` of one matmul over the stacked weights (``x`` is read once, and its gradient is one
+    GEMM instead of one per layer plus the adds that sum them): views, or for a layer with a bias, that view plus its
+    bias (in ``y``'s dtype). The biases are added per layer, not in the joint GEMM: there a bias gradient would be a
+    reduction over every column of the joint output, zeros included (the biased layers here are narrow: KDN's
+    per-head noise projections)."""
     out = dict(zip(layers, y.split([m.out_features for m in layers.values()], -1)))
     for name, m in layers.items():
         if m.bias is not None:
@@ -350,7 +345,7 @@ class DeltaFrontEnd(nn.Module):
         conv_state: tuple[Tensor, Tensor, Tensor] | None = None, cu_seqlens: Tensor | None = None,
         use_cache: bool = False,
     ) -> tuple[dict[str, Tensor], tuple | None]:
-        """Every projection of the layer input ``x [B, T, d_model]`` from one matmul (:func:`fused_linear`), with
+        """Every projection of the layer input ``x [B, T, d_model]`` from one matmul (:func:`split_outputs`), with
         ``q, k, v`` through their short convs: ``(p, conv cache)``. ``p`` maps ``q, k [B, T, H, K]`` (L2-normalised,
         ``q`` not scaled), ``v [B, T, H, V]``, the retention gate's ``f`` and the output gate's ``g`` (first stage when
         low-rank) and the mixer's ``extra`` projections (``None`` skipped; :func:`finish` completes a low-rank one)

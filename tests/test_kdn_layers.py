@@ -152,10 +152,13 @@ def test_reference_path_runs_inside_cpu_autocast(cls: type) -> None:
     assert torch.equal(inside, plain)
 
 
-def test_fused_linear_equals_separate_layers() -> None:
-    """One matmul over stacked weights (zero bias where a layer has none) gives each layer's output and every
+def test_joint_linear_equals_separate_layers() -> None:
+    """One matmul over stacked weights, split per layer with each one's bias, gives each layer's output and every
     gradient; a single layer is left as it is."""
-    from kdn.modules import fused_linear, low_rank
+    from kdn.modules import linear, low_rank, split_outputs
+
+    def fused_linear(x: torch.Tensor, layers: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
+        return split_outputs(linear(x, [m.weight for m in layers.values()]), layers)
 
     torch.manual_seed(0)
     layers = {"a": torch.nn.Linear(12, 7, bias=False), "b": torch.nn.Linear(12, 3, bias=True),
