@@ -2,20 +2,22 @@
 the L2 norm of ``q`` and ``k`` per head, one Triton pass each way, read from and written to the joint projection
 (:func:`front_conv`, the CUDA path of ``kdn.modules.DeltaFrontEnd.inputs``).
 
-The three streams are the first ``C = 2HK + HV`` columns of the joint projection ``y [B, T, N]`` (one GEMM
-computes every projection of the layer input). A program holds ``G`` heads of one stream (a warp each, the head's
-channels across its lanes) and walks ``L`` tokens one by one, loading each row two tokens ahead. Forward, oldest
-first: ``z_t = sum_m w[:, W-1-m] x_{t-m}`` from the last four inputs kept in registers (taps before the
-sequence's first token are zero), ``s = silu(z)``, and for ``q, k`` ``s / sqrt(||s||^2 + eps)``, in FP32; only the
-input is saved. Backward, latest first: the gradient reaching ``z_u`` (through the norm and the SiLU, recomputed
-from the same four inputs) is kept for three tokens, since ``dx_t = sum_l w[:, W-1-l] dz_{t+l}``; a program first
-walks the three rows after its own. ``dx`` is written into the joint gradient's first ``C`` columns and the other
-columns get the gradients of the projections passed through (``rest``), so the GEMM's input gradient reads one
-tensor and no ``cat`` assembles it. The weights' gradient is a per-program partial ``[NB, C, W]`` summed in torch.
+The three streams are the first ``C = 2HK + HV`` columns of the joint projection ``y [B, T, N]`` (one GEMM computes
+every projection of the layer input). A program holds ``G`` heads of one stream (a warp each, the head's channels
+across its lanes) and walks ``L`` tokens one by one, loading each row a token ahead. Forward, oldest first: ``z_t =
+sum_m w[:, W-1-m] x_{t-m}`` from the last four inputs kept in registers (taps before the sequence's first token are
+zero), ``s = silu(z)``, and for ``q, k`` ``s / sqrt(||s||^2 + eps)``, in FP32; only the input is saved. When every
+program lies inside one sequence (batch rows, ``T`` a multiple of ``L``), the rows outside its sequence read as
+zeros and no tap is masked; otherwise (packed sequences, ``MASKED``) each tap is masked by the token's position.
+Backward, latest first: the gradient reaching ``z_u`` (through the norm and the SiLU, recomputed from the same four
+inputs) is kept for three tokens, since ``dx_t = sum_l w[:, W-1-l] dz_{t+l}``; a program first walks the three rows
+after its own. ``dx`` is written into the joint gradient's first ``C`` columns and the other columns get the
+gradients of the projections passed through (``rest``), so the GEMM's input gradient reads one tensor and no ``cat``
+assembles it. The weights' gradient is a per-program partial ``[NB, C, W]`` summed in torch.
 
 fla's kernels for the same work (``causal_conv1d`` per stream, then ``l2norm`` on ``q`` and ``k``) take three
 convolutions and two norms each way, store the convolutions' bf16 outputs for the norms, and split the joint
-gradient with a ``cat``. Packed sequences: ``pos [N*T]`` holds each token's index in its own sequence.
+gradient with a ``cat``. Packed sequences: ``pos [B*T]`` holds each token's index in its own sequence.
 """
 from __future__ import annotations
 
