@@ -1,13 +1,13 @@
 """The CUDA backend's fla-based paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal and Isotropic memories
-through fla's asymmetric chunk-64 kernels and our WY backward (``DIAG_MEMORY = "asym"``; the Isotropic write key is
-``beta k``; with an initial memory), each through both of fla's paths for the diagonal blocks
-(``triton_ops.safe_gate``: tensor-core matmuls with bounded gates, the token loop under strong forgetting), with our
-gain kernels, every gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and fla's fused front end
-(conv, L2 norm, KDA gate, gated norm) against the PyTorch front end in whole layers (padded, packed, prefill +
-decoding). Each runs in a fresh interpreter. (fla's DPLR kernels do not run in the interpreter; they are checked
-on the H200, ``tests/test_kdn_triton.py``.)
+In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal and Isotropic memories through
+fla's asymmetric chunk-64 kernels and our WY backward (``DIAG_MEMORY = "asym"``; the Isotropic write key is
+``beta k``; with an initial memory), each through both of fla's paths for the diagonal blocks (``triton_ops.safe_gate``:
+tensor-core matmuls with bounded gates, the token loop under strong forgetting), with our gain kernels, every
+gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and the fused front end (our short convs + L2
+norms, ``kdn.triton_conv``, fla's for the cached prefill; fla's KDA gate and gated norm) against the PyTorch front
+end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter. (fla's DPLR kernels do
+not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
 """
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ class Mamba3(nn.Module):
         self.A_floor, self.layer_idx, self.backend = A_floor, layer_idx, backend
         H, R, N = self.num_heads, self.mimo_rank, state_size
         self.in_proj = Linear(hidden_size, 2 * self.intermediate_size + 2 * N * n_groups * R + 3 * H
-                                 + self.num_rope_angles, bias=False)
+                              + self.num_rope_angles, bias=False)
         dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
