@@ -18,6 +18,7 @@ from kdn import chunk as _chunk
 from kdn import gain as _gain
 from kdn import naive as _naive
 from kdn._validate import check_cu_seqlens, check_shape, check_values
+from kdn.modules import kda_gate
 from kdn.packing import repack, unpack
 
 State = tuple[Tensor, Tensor]
@@ -96,9 +97,15 @@ def _run(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
     cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float, omega_softplus: bool,
+    gate: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
+    if gate is not None:
+        if not isinstance(gate, (tuple, list)) or len(gate) != 2:
+            raise ValueError("gate must be a pair (A_log [H], dt_bias [H*K])")
+        check_shape("gate[0] (A_log)", gate[0], (H,), "H")
+        check_shape("gate[1] (dt_bias)", gate[1], (H * K,), "H*K")
     n_seq = B
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T, B)
@@ -123,9 +130,13 @@ def _run(
         values = {"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r, "mu": mu_t, "initial_state[1] (p/b)": p0}
         if S0 is not None:
             values["initial_state[0] (S)"] = S0
-        check_values(values, nonpositive=("g",), nonnegative=() if omega_softplus else ("omega",),
-                     positive=("r", "mu", "initial_state[1] (p/b)"))
+        check_values(values, nonpositive=() if gate is not None else ("g",),
+                     nonnegative=() if omega_softplus else ("omega",), positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
+    # the Diagonal Triton gain and asymmetric memory apply KDA's gate themselves; every other route gets g
+    fused_gate = gate is not None and backend == "triton" and not isotropic and _diag_memory() == "asym"
+    if gate is not None and not fused_gate:
+        g = kda_gate(g, *gate)
     # the Diagonal Triton gain applies omega's softplus itself (packed sequences too, unless they are unpacked
     # for the DPLR memory); every other route gets omega
     fused_softplus = omega_softplus and backend == "triton" and not isotropic and (
@@ -143,7 +154,7 @@ def _run(
         args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
         run = partial(fn, scale=float(scale), output_final_state=output_final_state,
-                      **({"omega_softplus": True} if fused_softplus else {}))
+                      **({"omega_softplus": True} if fused_softplus else {}), **({"gate": gate} if fused_gate else {}))
     else:
         S0 = q.new_zeros(n_seq, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
         args, state = [x.to(dt) for x in (q * scale if scale != 1.0 else q, k, v, g, omega, r)], (S0, p0.to(dt))
@@ -200,6 +211,7 @@ def diagonal_kdn(
     validate: bool = True,
     scale: float = 1.0,
     omega_softplus: bool = False,
+    gate: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, State | None]:
     """Diagonal KDN (SPEC §3).
 
@@ -209,12 +221,17 @@ def diagonal_kdn(
     ``scale``: multiplies ``q`` (the kernels fold it in; the layers pass ``K^-0.5``).
     ``omega_softplus``: ``omega`` is given before its softplus (any real values; the Diagonal CUDA kernels apply
     it in FP32 and save a pass over ``[B,T,H,K]`` each way; other routes apply it first).
+    ``gate = (A_log [H], dt_bias [H*K])``: ``g`` holds the input ``f`` of KDA's gate (any real values) and
+    ``g = -exp(A_log) softplus(f + dt_bias)`` (:func:`kdn.modules.kda_gate`, differentiable in both parameters). The
+    Diagonal CUDA kernels apply it in FP32 in one pass with the memory's chunk sums (:mod:`kdn.triton_gate`) and take
+    its backward into the gain's (as fla's ``chunk_kda(use_gate_in_kernel=True)`` does for KDA); other routes apply
+    it first.
     ``validate=False`` skips the value checks (NaN/Inf and ranges; shapes are always checked), which cost
     one host sync: for callers whose inputs are valid by construction, such as the layers.
     Returns ``o [B,T,H,V]`` and, if asked, the final ``(S, p)``.
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus)
+                validate, scale, omega_softplus, gate)
 
 
 def isotropic_kdn(
@@ -227,10 +244,11 @@ def isotropic_kdn(
     validate: bool = True,
     scale: float = 1.0,
     omega_softplus: bool = False,
+    gate: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, State | None]:
     """Isotropic KDN (SPEC §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus)
+                validate, scale, omega_softplus, gate)
 
 
 def _gain_common(

@@ -108,7 +108,10 @@ class _KalmanDelta(nn.Module):
         p, conv = self.front.inputs(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)},
                                     last["conv"] if last else None, cu_seqlens, use_cache)
         q, k, v = p["q"], p["k"], p["v"]
-        g = self.front.log_retention(p)
+        decoding = T == 1 and last is not None and cu_seqlens is None
+        # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f
+        kda = None if self.isotropic or decoding or mask is not None or output_beta_eff else self.front.gate_input(p)
+        g = kda[0] if kda is not None else self.front.log_retention(p)
         logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
         omega, r = self.noise_terms(p, omega_logits=logits)
         if mask is not None:  # padded tokens are identity steps: no write, no decay, no noise
@@ -121,7 +124,7 @@ class _KalmanDelta(nn.Module):
         n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
         # a fresh sequence starts from a zero memory (None: the kernels skip it) and the learned prior
         state = last["recurrent"] if last is not None else (None, self.initial_uncertainty(n_seq))
-        if T == 1 and last is not None and cu_seqlens is None:  # decoding: one recurrent step
+        if decoding:  # one recurrent step
             step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
             w = F.softplus(upcast(omega[:, 0])) if logits else omega[:, 0]
             o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0], state,
@@ -131,7 +134,8 @@ class _KalmanDelta(nn.Module):
             fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
             o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
-                          validate=False, omega_softplus=logits)  # valid by construction: g <= 0, r >= 0.01
+                          validate=False, omega_softplus=logits,  # valid by construction: g <= 0, r >= 0.01
+                          gate=kda[1] if kda is not None else None)
         beta_eff = None
         if output_beta_eff:
             beta_eff = self.beta_eff(k, g, F.softplus(upcast(omega)) if logits else omega, r, state[1])

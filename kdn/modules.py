@@ -53,6 +53,18 @@ def fla_fused(x: Tensor) -> bool:
     return FLA_FUSED and x.is_cuda and x.dtype != torch.float64 and _fla_importable()
 
 
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
+    """KDA's log-retention ``g = -exp(A_log) softplus(f + dt_bias)`` in FP32 (float64 stays float64).
+
+    ``f: [B, T, H, K]``, ``A_log: [H]``, ``dt_bias: [H*K]``; returns ``g [B, T, H, K]``."""
+    H, K = f.shape[-2:]
+    if fla_fused(f):
+        from fla.ops.kda.gate import fused_kda_gate
+
+        return fused_kda_gate(f, A_log, dt_bias)
+    return -upcast(A_log).exp()[:, None] * F.softplus(upcast(f) + upcast(dt_bias).view(H, K))
+
+
 def l2_normalize(x: Tensor) -> Tensor:
     """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype."""
     if fla_fused(x):
@@ -377,16 +389,22 @@ class DeltaFrontEnd(nn.Module):
                  v=v.view(B, T, self.H, self.V))
         return p, ((cq, ck, cv) if use_cache else None)
 
+    def gate_input(self, p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
+        """With KDA's per-channel gate, its input ``f [B, T, H, K]`` and ``(A_log [H], dt_bias [H*K])``, for kernels
+        that apply :func:`kda_gate` themselves; ``None`` for the other gates (use :meth:`log_retention`)."""
+        if self.alpha_param != "kda" or self.gate != "channel":
+            return None
+        f = finish(self.f_proj, p["f"])
+        return f.view(*f.shape[:2], self.H, self.K), (self.A_log, self.dt_bias)
+
     def log_retention(self, p: dict[str, Tensor]) -> Tensor:
         """``g = log(alpha) <= 0`` from the projections ``p``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]``
         (per head)."""
-        f = finish(self.f_proj, p["f"])
+        kda = self.gate_input(p)
+        if kda is not None:
+            return kda_gate(kda[0], *kda[1])
+        f = upcast(finish(self.f_proj, p["f"]))
         B, T = f.shape[:2]
-        if self.alpha_param == "kda" and self.gate == "channel" and fla_fused(f):
-            from fla.ops.kda.gate import fused_kda_gate
-
-            return fused_kda_gate(f.view(B, T, self.H, self.K), self.A_log, self.dt_bias)
-        f = upcast(f)
         if self.alpha_param == "kda":
             g = -upcast(self.A_log).exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
         else:

@@ -38,7 +38,9 @@ makes it KDA's rule (fla's ``chunk_kda``), which is how the KDA baseline runs to
 also map (``DIAG_MEMORY = "dplr"``; ``"asym"`` is the default) onto ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k,
 b=-kappa, gk=g)``. With ``"asym"`` the Diagonal gain and memory are one autograd node (:class:`_DiagonalKDN`): the
 gain's last backward launch adds the memory's gradients of ``k`` and ``g`` to its own, sparing autograd two
-``[B,T,H,K]`` sums.
+``[B,T,H,K]`` sums. Given KDA's gate input (``gate=``), that node makes ``g``, the memory's chunk sums and the
+check below in one pass (:mod:`kdn.triton_gate`), and the same launch takes ``dg`` through the gate. The memory's
+forward keeps its WY terms and chunk states for the backward unless :data:`RECOMPUTE_STATES`.
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each
 decay ``exp(G_i - G_j)`` into ``exp(G_i - C) exp(C - G_j)``, exact while those factors stay inside FP32's range.
@@ -57,6 +59,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kdn._validate import check_cu_seqlens
+from kdn.modules import kda_gate
 
 State = tuple[Tensor, Tensor]
 
@@ -341,20 +344,24 @@ def _diag_carry_bwd_kernel(
 
 @triton.jit
 def _diag_gain_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, carry_ptr, post_ptr, lam_ptr, dkappa_ptr, da_ptr, db_ptr,
-    dk_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, cu_ptr, T, NS, SEG,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, A_ptr, carry_ptr, post_ptr, lam_ptr, dkappa_ptr, da_ptr, db_ptr,
+    dk_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dA_ptr, dbias_ptr, cu_ptr, T, NS, SEG,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
-    OMEGA_SOFTPLUS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr, GATE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
     # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2);
     # ACCUMULATE: dk and dg also add the memory's gradients of the same k and g (dk_mem, dg_mem [B,T,H,K]), in FP32,
-    # prefetched a token ahead
+    # prefetched a token ahead; GATE: dg_ptr takes the gradient of the gate's input f, and the program's partial sums
+    # of those of A_log (sum dg g) and dt_bias go to dA [N*H, NS] and dbias [N*H, NS, K]
     bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
+    gA = tl.exp(tl.load(A_ptr + h).to(tl.float32)) if GATE else 1.0
     ok = t0 < t1
     lam = tl.load(lam_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=0.0)
     p_in = tl.load(carry_ptr + (bh * NS + s) * K + offs_k, mask=_chan(offs_k, K, ok), other=1.0)
     dmu = tl.zeros([BK], tl.float32)
+    dA = tl.zeros([BK], tl.float32)
+    dbias = tl.zeros([BK], tl.float32)
     last = t1 - 1
     kf, g, w, r = _diag_row(k_ptr, g_ptr, w_ptr, r_ptr, bos + last, h, offs_k, ok, H, K, OMEGA_SOFTPLUS)
     dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + last, h, offs_k, ok, H, K, EMIT_AB)
@@ -384,7 +391,11 @@ def _diag_gain_bwd_kernel(
         dk += dkm
         dg += dgm
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=mk)
-        tl.store(dg_ptr + idx, dg, mask=mk)
+        if GATE:  # g = -gA softplus(x), x = f + dt_bias: dg/dx = -gA sigmoid(x), sigmoid(x) from softplus(x) = -g / gA
+            dA += dg * g
+            dg = -gA * dg * _softplus_grad(-g / gA)
+            dbias += dg
+        tl.store(dg_ptr + idx, dg.to(dg_ptr.dtype.element_ty), mask=mk)
         if OMEGA_SOFTPLUS:
             dw = dph * _softplus_grad(w)
         else:
@@ -395,6 +406,9 @@ def _diag_gain_bwd_kernel(
         lam = a * dph
         kf, g, w, r, dkap, pp, dkm, dgm = kn, gn, wn, rn, dkn, ppn, dkmn, dgmn
     tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
+    if GATE:
+        tl.store(dA_ptr + bh * NS + s, tl.sum(dA, axis=0))
+        tl.store(dbias_ptr + (bh * NS + s) * K + offs_k, dbias, mask=mk)
 
 
 @triton.jit
@@ -760,10 +774,12 @@ def _diag_tiles(H: int, K: int, cu_seqlens: Tensor | None) -> dict[str, int | bo
 
 def _diag_gain_fwd(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
-    cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool,
+    cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, A_log: Tensor | None = None,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
     """The Diagonal gain's forward launches: ``((kappa, [a, b,] p_T), saved)``, ``saved`` what
-    :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``)."""
+    :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``, ``A_log``).
+    ``A_log [H]``: ``g`` is the output of KDA's gate with these ``A_log`` (:func:`kdn.triton_gate.kda_gate_fwd`),
+    whose backward the gain's takes on (:func:`_diag_gain_bwd`)."""
     B, T, H, K = k.shape
     k = k.contiguous()
     omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
@@ -780,19 +796,23 @@ def _diag_gain_fwd(
     _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
     _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
                                        EMIT_AB=emit_ab, **tiles, **act)
-    return (kappa, a, b, pT) if emit_ab else (kappa, pT), (k, g, omega, r, mu, carry, cu_seqlens)
+    saved = (k, g, omega, r, mu, carry, cu_seqlens, None if A_log is None else A_log.float().contiguous())
+    return (kappa, a, b, pT) if emit_ab else (kappa, pT), saved
 
 
 def _diag_gain_bwd(
     saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
     omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
+    f_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor | None, ...]:
-    """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0)`` from ``saved``
+    """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0, dgate)`` from ``saved``
     (:func:`_diag_gain_fwd`) and the gradients of its outputs ``grads = (dkappa, [da, db,] dp_T)``.
     ``mem_grads = (dk_mem, dg_mem)``, ``[B,T,H,K]`` each (any float dtype): further gradients of the same ``k``
     and ``g``, added in the last launch (in FP32; ``dk`` is stored in ``k``'s dtype). ``dmu`` is ``None``
-    unless ``need_dmu``."""
-    k, g, omega, r, mu, carry, cu_seqlens = saved
+    unless ``need_dmu``. When ``g`` came from KDA's gate (``A_log`` saved, :func:`_diag_gain_fwd`), ``dg`` is that of
+    the gate's input ``f`` (in ``f_dtype``) and ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32); ``None`` otherwise."""
+    k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
+    gate = A_log is not None
     H, K = k.shape[2:]
     SEG, NS = gain_segments(False, N * H, L)
     dkappa, *rest, dpT = (x.contiguous() for x in grads)
@@ -802,19 +822,22 @@ def _diag_gain_bwd(
     seg = carry.new_empty(N * H, NS, 2, K)
     lam = torch.empty_like(carry)
     dk = torch.empty_like(k)
-    dg, dw = torch.empty_like(g), torch.empty_like(omega)  # dw: of omega's input when omega_softplus
+    dg = torch.empty_like(g, dtype=f_dtype if gate else g.dtype)
+    dw = torch.empty_like(omega)  # of omega's input when omega_softplus
     dr = torch.empty_like(r)
     dp0 = carry.new_empty(N, H, K)
     dmu = carry.new_empty(N, H, NS)
+    dA, dbias = (carry.new_empty(N, H, NS), carry.new_empty(N, H, NS, K)) if gate else (dmu, dmu)
     tiles = _diag_tiles(H, K, cu_seqlens)
     act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
     _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
                                       SEG, **tiles, **act)
     _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
-    _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, post, lam, dkappa, da, db, dk_mem, dg_mem, dk,
-                                       dg, dw, dr, dmu, cu_seqlens, L, NS, SEG, ACCUMULATE=mem_grads is not None,
-                                       **tiles, **act)
-    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0
+    _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da, db,
+                                       dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
+                                       ACCUMULATE=mem_grads is not None, GATE=gate, **tiles, **act)
+    dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
+    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0, dgate
 
 
 class _DiagonalGain(torch.autograd.Function):
@@ -839,8 +862,8 @@ class _DiagonalGain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        dk, dg, dw, dr, dmu, dp0 = _diag_gain_bwd(ctx.saved_tensors, grads, ctx.emit_ab, *ctx.seqs,
-                                                  ctx.omega_softplus, ctx.needs_input_grad[4])
+        dk, dg, dw, dr, dmu, dp0, _ = _diag_gain_bwd(ctx.saved_tensors, grads, ctx.emit_ab, *ctx.seqs,
+                                                     ctx.omega_softplus, ctx.needs_input_grad[4])
         return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None, None
 
 
@@ -1001,11 +1024,14 @@ def safe_gate(g: Tensor) -> SafeGate:
     """
     g = g.detach()
     if g.dim() == 3:
-        steep = g.float().neg()  # [B, T, H]
-    else:
-        steep = _steepest_triton(g) if g.is_cuda and g.numel() else g.amin(-1).float().neg()
+        return safe_steepest(g.float().neg())  # [B, T, H]
+    return safe_steepest(_steepest_triton(g) if g.is_cuda and g.numel() else g.amin(-1).float().neg())
+
+
+def safe_steepest(steep: Tensor) -> SafeGate:
+    """:func:`safe_gate` from each token's steepest channel ``steep = -min_K g`` ``[B, T, H]``."""
     if steep.shape[1] == 0:
-        return SafeGate(torch.ones((), dtype=torch.bool, device=g.device))
+        return SafeGate(torch.ones((), dtype=torch.bool, device=steep.device))
     w = min(SAFE_GATE_STEPS, steep.shape[1])
     return SafeGate(steep.unfold(1, w, 1).sum(-1).amax() <= SAFE_GATE_SPREAD)
 
@@ -1017,18 +1043,68 @@ DIAG_MEMORY = "asym"
 # forgetting they miss the log-retention gradient tolerance (2.3% against 2% at T = 1000, bench/RESULTS.md session 7)
 DPLR_CHUNK = 16
 ASYM_CHUNK = 64
+# The asymmetric memory's backward needs the forward's WY terms (w, q exp2(gc), kg) and chunk states (h, v_new). False:
+# the forward keeps them, five more [B,T,H,K]-sized bf16 tensors per layer (about 0.8 GiB per layer for 32K tokens of
+# 16 heads of 128); True: the backward recomputes them, as fla's chunk_kda does (bench/RESULTS.md, session 12).
+RECOMPUTE_STATES = False
+
+
+def _asym_intra_fwd(
+    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
+    seqs: dict[str, Tensor | None], output_qg: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
+    the WY representation), whose last launch also writes ``qg = q exp2(gc)`` when ``output_qg`` (the backward's
+    chunk-state gradient reads it). Returns ``(w, u, qg, kg, Aqk, Akk)``."""
+    from fla.ops.precond_kda.chunk_intra import (
+        DEFAULT_SOLVE_TRIL_PRECISION,
+        chunk_precond_kda_fwd_intra,
+        chunk_precond_kda_fwd_intra_token_parallel,
+        chunk_precond_kda_fwd_kernel_inter_solve_fused,
+        chunk_precond_kda_fwd_kernel_intra_sub_chunk,
+    )
+    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.utils import IS_GATHER_SUPPORTED
+
+    C = ASYM_CHUNK
+    if not output_qg:
+        w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
+            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
+        return w, u, None, kg, Aqk, Akk
+    B, T, H, K = k.shape
+    BC = 16
+    NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
+    Aqk = torch.empty(B, T, H, C, device=k.device, dtype=k.dtype)
+    Akk = torch.zeros(B, T, H, C, device=k.device, dtype=k.dtype)  # the kernels write its lower triangle only
+    Akk_diag = torch.empty(B, T, H, BC, device=k.device, dtype=torch.float32)
+    if safe:
+        chunk_precond_kda_fwd_kernel_intra_sub_chunk[(NT, C // BC, B * H)](
+            q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale, **seqs, T=T, H=H, K=K,
+            BT=C, BC=BC, BK=triton.next_power_of_2(K), GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
+    else:
+        chunk_precond_kda_fwd_intra_token_parallel(
+            q=q, k=k, k_precond=kappa, gk=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale,
+            cu_seqlens=seqs["cu_seqlens"], chunk_size=C, sub_chunk_size=BC)
+    chunk_precond_kda_fwd_kernel_inter_solve_fused[(NT, B * H)](
+        q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
+        H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=DEFAULT_SOLVE_TRIL_PRECISION, USE_SAFE_GATE=safe)
+    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=True,
+                                     output_kg=True, **seqs)
+    return w, u, qg, kg, Aqk, Akk
 
 
 def _asym_memory_fwd(
     q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
-    output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate,
+    output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate, gc: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
     """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
     ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check`` (:func:`safe_gate`; read just
-    before the first kernel that needs it): whether fla's tensor-core diagonal blocks were taken."""
+    before the first kernel that needs it): whether fla's tensor-core diagonal blocks were taken. Unless
+    :data:`RECOMPUTE_STATES`, ``saved`` holds the WY terms and chunk states the backward would otherwise recompute.
+    ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.triton_gate`)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
 
@@ -1036,15 +1112,18 @@ def _asym_memory_fwd(
     q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
     seqs = {"cu_seqlens": cu_seqlens,
             "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
-    gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)  # log2, per chunk
+    if gc is None:  # log2, per chunk
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)
     beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
     safe = bool(check)
-    w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
-        q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
+    keep = not RECOMPUTE_STATES
+    w, u, qg, kg, Aqk, Akk = _asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep)
     h, v_new, S = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
-    return o.to(q.dtype), S, (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"]), safe
+    states = (w, qg, kg, h, v_new) if keep else (None,) * 5
+    saved = (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"], *states)
+    return o.to(q.dtype), S, saved, safe
 
 
 def _asym_memory_bwd(
@@ -1060,15 +1139,15 @@ def _asym_memory_bwd(
 
     from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
 
-    q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices = saved
+    q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices, w, qg, kg, h, v_new = saved
     C = ASYM_CHUNK
     seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
     do = do.contiguous()
-    # recompute the WY representation and the chunk states (as fla's KDA backward does)
-    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                     output_qg=True, output_kg=True, **seqs)
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
-                                               output_final_state=False, chunk_size=C, **seqs)
+    if h is None:  # recompute the WY representation and the chunk states (as fla's KDA backward does)
+        w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                         output_qg=True, output_kg=True, **seqs)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
+                                                   output_final_state=False, chunk_size=C, **seqs)
     dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
     dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
                                                  scale=scale, chunk_size=C, **seqs)
@@ -1120,23 +1199,35 @@ class _AsymmetricMemory(torch.autograd.Function):
 
 
 class _DiagonalKDN(torch.autograd.Function):
-    """``(q, k, v, g, omega, r, mu, p0, S0) -> (o, S_T, p_T)``: the fused Diagonal gain feeding the asymmetric
-    memory (``kappa`` its write key), one autograd node. Its backward runs the memory's, then the gain's, whose
-    last launch adds the memory's gradients of ``k`` and ``g`` to the gain's own (no separate ``[B,T,H,K]`` sums).
+    """``(q, k, v, g, omega, r, mu, p0, S0, [A_log, dt_bias]) -> (o, S_T, p_T)``: the fused Diagonal gain feeding the
+    asymmetric memory (``kappa`` its write key), one autograd node. Its backward runs the memory's, then the gain's,
+    whose last launch adds the memory's gradients of ``k`` and ``g`` to the gain's own (no separate ``[B,T,H,K]``
+    sums) and, with KDA's gate in the kernels, takes them through the gate.
 
     ``q, v`` in the memory's dtype (``kappa``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest
     as :func:`diagonal_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`_sequences`, ``check`` :func:`safe_gate`).
+    With ``A_log, dt_bias``, ``g`` is the input of KDA's gate: one pass makes the gate's output, its chunk sums and
+    the check (:func:`kdn.triton_gate.kda_gate_fwd`; ``check`` is then ``None``).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
         r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
-        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate,
+        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate, A_log: Tensor | None,
+        dt_bias: Tensor | None,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus)
+        gc = None
+        ctx.f_dtype = g.dtype
+        if A_log is not None:
+            from kdn.triton_gate import kda_gate_fwd
+
+            g, gc, steep = kda_gate_fwd(g, A_log, dt_bias, cu_seqlens)
+            check = safe_steepest(steep)  # read after the gain's kernels are queued
+        (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus,
+                                           A_log)
         o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
-                                               cu_seqlens, check)
+                                               cu_seqlens, check, gc)
         ctx.save_for_backward(*gain, *mem)
         ctx.n_gain, ctx.seqs, ctx.omega_softplus, ctx.scale = len(gain), (N, L), omega_softplus, scale
         return o, S, pT
@@ -1147,9 +1238,11 @@ class _DiagonalKDN(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         saved, n = ctx.saved_tensors, ctx.n_gain
         dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS)
-        dk, dg, dw, dr, dmu, dp0 = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs, ctx.omega_softplus,
-                                                  ctx.needs_input_grad[6], (dk_mem, dg_mem))
-        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, None, None, None, None, None, None, None
+        dk, dg, dw, dr, dmu, dp0, dgate = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs,
+                                                         ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
+                                                         ctx.f_dtype)
+        dA, dbias = dgate if dgate is not None else (None, None)
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, None, None, None, None, None, None, None, dA, dbias
 
 
 def _mem_dtype(x: Tensor) -> torch.dtype:
@@ -1159,15 +1252,17 @@ def _mem_dtype(x: Tensor) -> torch.dtype:
 def diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     state: tuple[Tensor | None, Tensor], scale: float = 1.0, output_final_state: bool = True,
-    cu_seqlens: Tensor | None = None, omega_softplus: bool = False,
+    cu_seqlens: Tensor | None = None, omega_softplus: bool = False, gate: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Diagonal KDN on CUDA: the fused Triton gain (which also emits DPLR's ``a, b``) + fla's DPLR chunk kernel
     (``DIAG_MEMORY = "dplr"``), or the gain + fla's asymmetric chunk-64 kernels (``"asym"``).
 
     Shapes as :func:`diagonal_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None
     (zero memory), p0 [N,H,K])``; ``scale`` multiplies ``q``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``,
-    ``"asym"`` only), else ``N = B``; ``omega_softplus`` as in :func:`diagonal_gain`. Returns ``o [B,T,H,V]``
-    and ``(S_T, p_T)`` (``S_T`` is ``None`` unless ``output_final_state``).
+    ``"asym"`` only), else ``N = B``; ``omega_softplus`` as in :func:`diagonal_gain`. ``gate = (A_log [H],
+    dt_bias [H*K])``: ``g`` holds the input of KDA's gate (:func:`kdn.modules.kda_gate`), applied inside the
+    ``"asym"`` kernels (before the ``"dplr"`` ones). Returns ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None``
+    unless ``output_final_state``).
     """
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
@@ -1179,11 +1274,14 @@ def diagonal_kdn(
         raise ValueError(f"kdn.triton_ops.DPLR_CHUNK must be 16 or 32, got {DPLR_CHUNK!r}: fla's DPLR kernels at chunk "
                          "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
     if DIAG_MEMORY == "asym":
-        check = safe_gate(g)  # read after the gain's kernels are queued
+        check = None if gate is not None else safe_gate(g)  # read after the gain's kernels are queued
         N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
         o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
-                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check)
+                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check,
+                                      *(gate if gate is not None else (None, None)))
         return o, (S, pT)
+    if gate is not None:
+        g = kda_gate(g, *gate)
     if cu_seqlens is not None:
         raise NotImplementedError("triton_ops.diagonal_kdn takes cu_seqlens only with DIAG_MEMORY = 'asym'; packed "
                                   "sequences go through kdn.api's unpacking for the DPLR memory")

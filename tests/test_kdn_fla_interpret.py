@@ -1,17 +1,22 @@
 """The CUDA backend's fla-based paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
 In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal and Isotropic memories through
-fla's asymmetric chunk-64 kernels and our WY backward (``DIAG_MEMORY = "asym"``; the Isotropic write key is
-``beta k``; with an initial memory), each through both of fla's paths for the diagonal blocks (``triton_ops.safe_gate``:
-tensor-core matmuls with bounded gates, the token loop under strong forgetting), with our gain kernels, every
-gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and the fused front end (our short convs + L2
-norms, ``kdn.triton_conv``, fla's for the cached prefill; fla's KDA gate and gated norm) against the PyTorch front
-end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter. (fla's DPLR kernels do
-not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
+fla's asymmetric chunk-64 kernels and our WY backward (``DIAG_MEMORY = "asym"``; the Isotropic write key is ``beta k``;
+with an initial memory; the WY terms and chunk states kept from the forward, and recomputed in the backward,
+``triton_ops.RECOMPUTE_STATES``, with identical gradients), each through both of fla's paths for the diagonal blocks
+(``triton_ops.safe_gate``: tensor-core matmuls with bounded gates, the token loop under strong forgetting), with our
+gain kernels, every gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and the fused front end (our
+short convs + L2 norms, ``kdn.triton_conv``, fla's for the cached prefill; fla's KDA gate and gated norm) against the
+PyTorch front end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter. (fla's DPLR
+kernels do not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +59,14 @@ for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
     errs["safe_gate"] = float(bool(triton_ops.safe_gate(l32["g"])))
     out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
+    if with_S0 and not iso:  # the backward's recomputed WY terms and chunk states give the kept ones' gradients
+        triton_ops.RECOMPUTE_STATES = True
+        lr = {n: t.detach().clone().requires_grad_() for n, t in l32.items()}
+        o_r, (S_r, e_r) = tf(*(lr[n] for n in names), mu, (lr.get("S0"), lr["u0"]), scale=0.37)
+        sum((a.double() * u).sum() for a, u in zip((o_r, S_r, e_r), ups)).backward()
+        triton_ops.RECOMPUTE_STATES = False
+        gap = max((lr[n].grad - l32[n].grad).abs().max().item() for n in lr)
+        out[f"{'iso' if iso else 'diag_asym'}_T{T}_recompute_gap"] = {"gap": gap, "safe_gate": -1.0}
 print(json.dumps(out))
 """
 
@@ -104,7 +117,9 @@ def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
     for case, e in errs.items():
         assert max(e.values()) < 5e-5, (case, e)
     if script is MEMORY:  # both memories through both of fla's diagonal-block paths
-        assert paths == {"diag_asym_T77_g-3": 1.0, "diag_asym_T65_g-12": 0.0, "iso_T65_g-12": 0.0, "iso_T77_g-3": 1.0}
+        assert paths == {"diag_asym_T77_g-3": 1.0, "diag_asym_T65_g-12": 0.0, "iso_T65_g-12": 0.0, "iso_T77_g-3": 1.0,
+                         "diag_asym_T77_recompute_gap": -1.0}
+        assert errs["diag_asym_T77_recompute_gap"]["gap"] == 0.0
 
 
 def test_safe_gate_checks_fla_envelope() -> None:
@@ -155,3 +170,56 @@ def test_steepest_channel_kernel_matches_amin() -> None:
     for widths below, at and off a power of two."""
     res = triton_interpret.run_interpreted(STEEPEST)
     assert all(res.values()) and len(res) == 6, res
+
+
+GATE_FWD = r"""
+import itertools, json, math, sys, torch
+from kdn import modules
+from kdn.triton_gate import kda_gate_fwd
+modules.FLA_FUSED = False  # the reference: PyTorch's softplus in FP32
+dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+out = {}
+gen = torch.Generator().manual_seed(0)
+for name, (B, T, H, K), lens in (("batch", (2, 130, 2, 32), None), ("packed", (1, 150, 2, 20), (70, 0, 1, 79)),
+                                 ("short", (1, 5, 1, 16), None)):
+    f = (4 * torch.randn(B, T, H, K, generator=gen)).bfloat16()
+    f.view(-1, K)[3, 2] = math.nan
+    A_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H * K, generator=gen) - 2.0
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)])
+    g, gc, steep = (x.cpu() for x in kda_gate_fwd(f.to(dev), A_log.to(dev), dt_bias.to(dev),
+                                                   None if cu is None else cu.to(dev)))
+    ref = modules.kda_gate(f, A_log, dt_bias).view(B * T, H, K)
+    starts = [b * T for b in range(B + 1)] if lens is None else cu.tolist()
+    ref_gc = torch.empty_like(ref)
+    for a, b in zip(starts, starts[1:]):  # chunk-local sums from each sequence's start, in log2 units
+        for c in range(a, b, 64):
+            ref_gc[c:min(c + 64, b)] = ref[c:min(c + 64, b)].cumsum(0) / math.log(2)
+    ref_steep = ref.amin(-1).neg()
+
+    def gap(x, r):
+        same_nan = torch.equal(x.isnan(), r.isnan())
+        x, r = x.nan_to_num(), r.nan_to_num()
+        return (x - r).norm().item() / r.norm().item() if same_nan else math.inf
+
+    out[name] = {"g": gap(g.view_as(ref), ref), "gc": gap(gc.view_as(ref), ref_gc),
+                 "steep": gap(steep.view(B * T, H), ref_steep), "nan_rows": int(steep.isnan().sum())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kda_gate_pass_matches_torch(device: str) -> None:
+    """One pass of KDA's gate (``kdn.triton_gate``; on the CPU through the interpreter): the gate's output, its
+    chunk-local cumulative sums in log2 units (restarting at each packed sequence, empty and one-token ones included)
+    and each token's steepest channel match PyTorch to FP32 rounding; a NaN input reaches exactly its row's check."""
+    if device == "cpu":
+        res = triton_interpret.run_interpreted(GATE_FWD)
+    else:
+        path = os.pathsep.join([str(triton_interpret.ROOT), os.environ.get("PYTHONPATH", "")])  # fla may come from it
+        proc = subprocess.run([sys.executable, "-c", GATE_FWD, "cuda"], cwd=triton_interpret.ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res.keys() == {"batch", "packed", "short"}
+    for case, r in res.items():
+        assert r.pop("nan_rows") == 1 and max(r.values()) < 1e-6, (case, r)

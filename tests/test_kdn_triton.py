@@ -19,7 +19,7 @@ from kdn import chunk as kchunk
 
 pytestmark = pytest.mark.gpu
 TOL = {"o": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "S0": 0.008, "g": 0.02, "omega": 0.02, "r": 0.02,
-       "u0": 0.02, "mu": 0.02, "S": 0.005, "uT": 0.005}
+       "u0": 0.02, "mu": 0.02, "S": 0.005, "uT": 0.005, "A_log": 0.02, "dt_bias": 0.02}
 
 
 def _record(entry: dict) -> None:
@@ -304,28 +304,32 @@ def test_diagonal_asymmetric_varlen_and_zero_memory(monkeypatch: pytest.MonkeyPa
     assert rel_err(out, ref) < TOL["o"], rel_err(out, ref)
 
 
-@pytest.mark.parametrize("lens,B,T,g_min,softplus", [(None, 2, 1000, -2.0, True),
-                                                     ((1, 100, 63, 700, 64, 2), 1, 930, -8.0, False)],
-                         ids=["padded", "packed"])
+@pytest.mark.parametrize("lens,B,T,g_min,softplus,gate", [(None, 2, 1000, -2.0, True, False),
+                                                          ((1, 100, 63, 700, 64, 2), 1, 930, -8.0, False, True),
+                                                          (None, 2, 1000, -2.0, True, True)],
+                         ids=["padded", "packed_gate", "padded_gate"])
 def test_diagonal_gain_and_memory_fused(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        gate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``DIAG_MEMORY = "asym"``: the gain and the memory as one autograd node, the gain's backward adding the
-    memory's ``dk`` and ``dg`` (``fused_errors`` of ``tests/test_kdn_triton_interpret.py``), bf16 ``q, k, v``, ``mu``
-    and ``S0`` leaves: every gradient within fla's KDA tolerances of float64; the unfused composition within a bf16
-    rounding (its ``dk`` is autograd's bf16 sum, the fused one rounds once); cutting the memory's gradients of ``k``
-    and ``g`` moves those two far more than that and nothing else."""
+    memory's ``dk`` and ``dg`` (``fused_errors`` of ``tests/test_kdn_triton_interpret.py``; with ``gate``, KDA's gate
+    applied in the kernels), bf16 ``q, k, v``, ``mu`` and ``S0`` leaves: every gradient within fla's KDA tolerances of
+    float64; the unfused composition within a bf16 rounding (its ``dk`` is autograd's bf16 sum, the fused one rounds
+    once); cutting the memory's gradients of ``k`` and ``g`` moves those (and the gate's) far more than that and
+    nothing else."""
     from test_kdn_triton_interpret import fused_errors
 
     from kdn import triton_ops
 
     monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
-    r = fused_errors(lens, B, T, g_min, softplus, 16, 64, device="cuda", dtype=torch.bfloat16)
+    r = fused_errors(lens, B, T, g_min, softplus, 16, 64, device="cuda", dtype=torch.bfloat16, gate=gate)
     for kind, errs in r.items():
-        _record({"variant": f"diagonal_fused_vs_{kind}", "T": T, "varlen": lens, "omega_softplus": softplus, **errs})
+        _record({"variant": f"diagonal_fused_vs_{kind}", "T": T, "varlen": lens, "omega_softplus": softplus,
+                 "gate": gate, **errs})
     _assert_within(r["ref"])
+    moved = ("dk", "dg", "dA_log", "ddt_bias") if gate else ("dk", "dg")
     assert r["unfused"]["dk"] < 1e-2 and max(e for n, e in r["unfused"].items() if n != "dk") < 1e-3, r["unfused"]
-    assert all(r["dropped"][n] > 5 * max(r["unfused"][n], 1e-3) for n in ("dk", "dg")), r
-    assert max(e for n, e in r["dropped"].items() if n not in ("dk", "dg")) < 1e-3, r["dropped"]
+    assert all(r["dropped"][n] > 5 * max(r["unfused"][n], 1e-3) for n in moved), r
+    assert max(e for n, e in r["dropped"].items() if n not in moved) < 1e-3, r["dropped"]
 
 
 @pytest.mark.parametrize("B,T,H,K,V", [(2, 1000, 4, 64, 64), (1, 4096, 16, 128, 128), (1, 200, 2, 96, 64)])

@@ -154,6 +154,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kdn import triton_ops as t
+from kdn.triton_gate import _kda_gate_fwd_kernel
 
 BF16 = ("k_ptr", "kappa_ptr", "a_ptr", "b_ptr", "dk_ptr", "dkappa_ptr", "da_ptr", "db_ptr", "beta_ptr", "dbeta_ptr",
         "dk_mem_ptr")
@@ -163,17 +164,18 @@ ISO = (t._iso_seg_fwd_kernel, t._iso_gain_fwd_kernel, t._iso_seg_bwd_kernel, t._
 
 
 def compile_for_sm90(kernel, consts, varlen, t_is_one, warps):
-    # bf16 keys and gains, FP32 rest; packed: int32 offsets, else cu_ptr None and (as Triton specializes an
-    # int argument equal to 1) T = 1 a constexpr
+    # bf16 keys and gains (and the gradient of the gate's input with GATE), FP32 rest; packed: int32 offsets, else
+    # cu_ptr None and (as Triton specializes an int argument equal to 1) T = 1 a constexpr
+    bf16 = BF16 + (("dg_ptr",) if consts.get("GATE") else ())
     sig, cst = {}, {}
     for i, n in enumerate(kernel.arg_names):
-        if n in consts or (n == "cu_ptr" and not varlen) or (n == "T" and t_is_one):
+        if n in consts or (n in ("cu_ptr", "idx_ptr") and not varlen) or (n == "T" and t_is_one):
             sig[n] = "constexpr"
             cst[(i,)] = consts.get(n, None if n == "cu_ptr" else 1)
         elif n.endswith("_ptr"):
-            sig[n] = "*i32" if n == "cu_ptr" else "*bf16" if n in BF16 else "*fp32"
+            sig[n] = "*i32" if n in ("cu_ptr", "idx_ptr") else "*bf16" if n in bf16 else "*fp32"
         else:
-            sig[n] = "i32"
+            sig[n] = "fp32" if n == "scale" else "i32"
     triton.compile(ASTSource(kernel, sig, cst), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -182,6 +184,7 @@ for varlen, t_is_one, K in ((True, False, 128), (True, False, 64), (False, True,
     BK = triton.next_power_of_2(K)
     for kernel in DIAG:
         flags = {f: True for f in ("EMIT_AB", "ACCUMULATE") if f in kernel.arg_names}  # their branches on
+        flags |= {"GATE": varlen} if "GATE" in kernel.arg_names else {}  # KDA's gate in the kernels, and not
         compile_for_sm90(kernel, {"H": 8, "K": K, "BK": BK, "IS_VARLEN": varlen} | flags, varlen, t_is_one,
                          t._DIAG_WARPS)
         n += 1
@@ -191,6 +194,10 @@ for varlen, t_is_one, K in ((True, False, 128), (True, False, 64), (False, True,
             compile_for_sm90(kernel, {"H": 8, "K": K, "BT": t._ISO_BT, "IS_VARLEN": varlen} | bk, varlen, t_is_one,
                              4)
             n += 1
+for varlen in (False, True):  # KDA's gate in one pass (the f_ptr of its input in fp32 here)
+    compile_for_sm90(_kda_gate_fwd_kernel, {"H": 8, "K": 128, "BT": 64, "BK": 128, "IS_VARLEN": varlen}, varlen,
+                     False, 1)
+    n += 1
 print(n)
 """
 
@@ -217,8 +224,9 @@ def test_packed_memory_in_interpreter_matches_reference(variant: str) -> None:
 
 def test_gain_kernels_compile_for_hopper(tmp_path: Path) -> None:
     """The compiled path types loop-carried values strictly (the interpreter does not): every gain kernel compiles
-    to an sm_90 cubin on the CPU (Triton's bundled ptxas), packed and batched, bf16, with ``T = 1`` specialized."""
-    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "26"
+    to an sm_90 cubin on the CPU (Triton's bundled ptxas), packed and batched, bf16, with ``T = 1`` specialized, the
+    last backward launch with KDA's gate and without; and the one-pass gate (``kdn.triton_gate``), both ways."""
+    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "28"
 
 
 @pytest.mark.gpu

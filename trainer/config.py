@@ -86,6 +86,7 @@ class TrainerConfig:
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGUSR2", "SIGTERM"])
     export: bool = True  # write <run_dir>/hf at the end
     reshard: bool = False  # allow resuming on another world size (same global data cursor; not bit-exact)
+    recompute_states: bool = False  # CUDA: the delta-rule memories' backward recomputes what their forward could keep
 
 
 @dataclass
