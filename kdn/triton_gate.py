@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kdn.triton_ops import ASYM_CHUNK, _softplus
+from kdn.triton_ops import ASYM_CHUNK, _chan, _softplus
 
 LOG2_E = 1.4426950408889634
 
@@ -48,9 +48,9 @@ def _kda_gate_fwd_kernel(
     t1 = tl.minimum(t0 + BT, Tn)
     acc = tl.zeros([BK], tl.float32)
     row = ((bos + t0) * H + h) * K
-    x = tl.load(f_ptr + row + cols, mask=cols < tl.where(t0 < t1, K, 0), other=0.0)
+    x = tl.load(f_ptr + row + cols, mask=_chan(cols, K, t0 < t1), other=0.0)
     for t in range(t0, t1):
-        xn = tl.load(f_ptr + row + H * K + cols, mask=cols < tl.where(t + 1 < t1, K, 0), other=0.0)
+        xn = tl.load(f_ptr + row + H * K + cols, mask=_chan(cols, K, t + 1 < t1), other=0.0)
         g = tl.where(mk, -gA * _softplus(x.to(tl.float32) + bias), 0.0)
         acc += g
         tl.store(g_ptr + row + cols, g, mask=mk)

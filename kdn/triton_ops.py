@@ -1055,10 +1055,9 @@ def _asym_intra_fwd(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
     the WY representation), whose last launch also writes ``qg = q exp2(gc)`` when ``output_qg`` (the backward's
-    chunk-state gradient reads it). Returns ``(w, u, qg, kg, Aqk, Akk)``."""
+    chunk-state gradient reads it; ``None`` otherwise). Returns ``(w, u, qg, kg, Aqk, Akk)``."""
     from fla.ops.precond_kda.chunk_intra import (
         DEFAULT_SOLVE_TRIL_PRECISION,
-        chunk_precond_kda_fwd_intra,
         chunk_precond_kda_fwd_intra_token_parallel,
         chunk_precond_kda_fwd_kernel_inter_solve_fused,
         chunk_precond_kda_fwd_kernel_intra_sub_chunk,
@@ -1068,10 +1067,6 @@ def _asym_intra_fwd(
     from fla.utils import IS_GATHER_SUPPORTED
 
     C = ASYM_CHUNK
-    if not output_qg:
-        w, u, kg, Aqk, Akk = chunk_precond_kda_fwd_intra(
-            q=q, k=k, k_precond=kappa, v=v, gk=gc, beta=beta, scale=scale, chunk_size=C, safe_gate=safe, **seqs)
-        return w, u, None, kg, Aqk, Akk
     B, T, H, K = k.shape
     BC = 16
     NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
@@ -1089,7 +1084,7 @@ def _asym_intra_fwd(
     chunk_precond_kda_fwd_kernel_inter_solve_fused[(NT, B * H)](
         q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
         H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=DEFAULT_SOLVE_TRIL_PRECISION, USE_SAFE_GATE=safe)
-    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=True,
+    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=output_qg,
                                      output_kg=True, **seqs)
     return w, u, qg, kg, Aqk, Akk
 
