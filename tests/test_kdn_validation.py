@@ -108,3 +108,25 @@ def test_dplr_memory_refuses_chunk_64(monkeypatch: pytest.MonkeyPatch) -> None:
     state = (None, torch.ones(1, 2, 4))
     with pytest.raises(ValueError, match="DPLR_CHUNK must be 16 or 32, got 64"):
         triton_ops.diagonal_kdn(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], torch.ones(2), state)
+
+
+def test_gate_inputs() -> None:
+    """``gate=(A_log, dt_bias)``: ``g`` is the gate's input (positive values allowed), the result equals passing the
+    gate's output; a wrong-shaped parameter or a non-pair is refused by name, and the triton pass checks its own."""
+    from kdn.modules import kda_gate
+    from kdn.triton_gate import kda_gate_fwd
+
+    x = make_inputs(2, 8, 2, 4, 3, isotropic=False)
+    f = torch.randn(x["g"].shape, dtype=x["g"].dtype, generator=torch.Generator().manual_seed(1))
+    A_log, dt_bias = torch.randn(2, dtype=f.dtype), torch.randn(8, dtype=f.dtype)
+    o, _ = kdn.diagonal_kdn(**_set(x, "g", f), gate=(A_log, dt_bias))
+    ref, _ = kdn.diagonal_kdn(**_set(x, "g", kda_gate(f, A_log, dt_bias)))
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"gate\[0\] \(A_log\) has shape"):
+        kdn.diagonal_kdn(**_set(x, "g", f), gate=(A_log[:1], dt_bias))
+    with pytest.raises(ValueError, match=r"gate\[1\] \(dt_bias\) has shape"):
+        kdn.diagonal_kdn(**_set(x, "g", f), gate=(A_log, dt_bias[:4]))
+    with pytest.raises(ValueError, match="gate must be a pair"):
+        kdn.diagonal_kdn(**_set(x, "g", f), gate=(A_log,))
+    with pytest.raises(ValueError, match="A_log must be"):
+        kda_gate_fwd(f, A_log[:1], dt_bias)
