@@ -1,4 +1,4 @@
-"""Pretrain a KDN (or baseline) language model with the paper's protocol (SPEC §8).
+"""Pretrain a KDN (or baseline) language model with the paper's protocol (docs/protocol.md §8).
 
     python train.py                                   # README main job: small KDN, embedded corpus, CPU
     python train.py model=toy trainer.max_steps=30    # a short run
@@ -100,7 +100,7 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         from kdn import triton_ops
 
-        triton_ops.RECOMPUTE_STATES = cfg.trainer.recompute_states  # memory against speed (bench/RESULTS.md)
+        triton_ops.RECOMPUTE_STATES = cfg.trainer.recompute_states  # memory against speed (docs/results.md)
     if accelerator.is_main_process:  # the validated, resolved config of this run
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

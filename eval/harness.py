@@ -1,4 +1,4 @@
-"""Table 1 through lm-eval: WikiText and LAMBADA perplexity, six zero-shot accuracies (SPEC §9).
+"""Table 1 through lm-eval: WikiText and LAMBADA perplexity, six zero-shot accuracies (docs/protocol.md §9).
 
 Our models are Hugging Face models of type ``kdn_lm`` (registered by ``import models``), so lm-eval's
 ``HFLM`` wraps the loaded model object directly; no remote code.

@@ -1,4 +1,4 @@
-"""The public functional API of KDN (SPEC §1–6).
+"""The public functional API of KDN (docs/math.md §1–6).
 
 ``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences
 (``cu_seqlens``) and dispatch to a backend: ``"torch"`` (chunked PyTorch, any device) or
@@ -213,7 +213,7 @@ def diagonal_kdn(
     omega_softplus: bool = False,
     gate: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, State | None]:
-    """Diagonal KDN (SPEC §3).
+    """Diagonal KDN (docs/math.md §3).
 
     Args: ``q, k, g, omega: [B,T,H,K]``; ``v: [B,T,H,V]``; ``r: [B,T,H]``; ``mu``: float or ``[H]``
     (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``; ``S=None``
@@ -246,7 +246,7 @@ def isotropic_kdn(
     omega_softplus: bool = False,
     gate: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, State | None]:
-    """Isotropic KDN (SPEC §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
+    """Isotropic KDN (docs/math.md §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
                 validate, scale, omega_softplus, gate)
 
@@ -350,7 +350,7 @@ def exact_kalman_memory(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, *,
     initial_state: State | None = None, output_final_state: bool = False,
 ) -> tuple[Tensor, State | None]:
-    """Exact Kalman associative memory with dense covariance (SPEC §2), O(K^2) state per head.
+    """Exact Kalman associative memory with dense covariance (docs/math.md §2), O(K^2) state per head.
 
     ``omega [B,T,H,K]`` is the diagonal of the process noise; state ``(S [B,H,K,V], P [B,H,K,K])``,
     default ``S = 0``, ``P = I``. A reference: token-by-token, for tests and small probes.

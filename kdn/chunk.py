@@ -1,4 +1,4 @@
-"""Chunkwise memory scan in PyTorch for the asymmetric delta rule (SPEC §6).
+"""Chunkwise memory scan in PyTorch for the asymmetric delta rule (docs/math.md §6).
 
 ``S_t = (I - kappa_t k_t^T) D_t S_{t-1} + kappa_t v_t^T``, ``o_t = S_t^T q_t``. Inside each chunk the
 innovations solve a unit lower-triangular system (the UT transform); across chunks the state is

@@ -1,4 +1,4 @@
-"""Chunked Möbius gain scans in PyTorch (SPEC §3, §4, §6).
+"""Chunked Möbius gain scans in PyTorch (docs/math.md §3, §4, §6).
 
 Each uncertainty channel follows ``p_t = (a_t p_{t-1} + w_t) / (u_t a_t p_{t-1} + 1 + u_t w_t)``,
 i.e. the homogeneous linear map ``M_t = [[a, w], [u a, 1 + u w]]``. The scan composes these 2x2

@@ -1,4 +1,4 @@
-"""Diagonal and Isotropic KDN mixers as ``nn.Module``s (SPEC §5).
+"""Diagonal and Isotropic KDN mixers as ``nn.Module``s (docs/math.md §5).
 
 Both share KDA's front end (``kdn.modules.DeltaFrontEnd``) and differ only in the shape of the
 process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``.

@@ -1,4 +1,4 @@
-"""The front end shared by KDN and the delta-rule mixers (SPEC §5, KDA's parametrisation).
+"""The front end shared by KDN and the delta-rule mixers (docs/math.md §5, KDA's parametrisation).
 
 Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
 and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding
@@ -11,7 +11,7 @@ autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
 
 Importing this module opts in to fla's Gluon short-convolution kernels (``FLA_CONV_GLUON=1`` unless already set):
 their backward recomputes the activation in registers instead of in a separate pass, which halves the convolutions'
-time in a 750M training step on an H200 (bench/RESULTS.md, session 7). fla itself falls back to its Triton kernels
+time in a 750M training step on an H200 (docs/performance.md, "Front end"). fla itself falls back to its Triton kernels
 where they do not apply (decoding caches, runs with ``torch.distributed`` initialised); ``FLA_CONV_GLUON=0`` opts out.
 """
 from __future__ import annotations

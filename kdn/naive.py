@@ -1,4 +1,4 @@
-"""Token-by-token reference recurrences (SPEC §2–4). Readable, exact, slow.
+"""Token-by-token reference recurrences (docs/math.md §2–4). Readable, exact, slow.
 
 Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``g = log(alpha): [B, T, H, K]``, ``r: [B, T, H]``.
 Diagonal ``omega: [B, T, H, K]``, Isotropic ``omega: [B, T, H]``. ``mu: [H]``.
@@ -101,7 +101,7 @@ def isotropic_kdn_recurrent(
 def exact_kalman_recurrent(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State
 ) -> tuple[Tensor, State]:
-    """Exact Kalman memory with dense key covariance ``P [B,H,K,K]`` (SPEC §2)."""
+    """Exact Kalman memory with dense key covariance ``P [B,H,K,K]`` (docs/math.md §2)."""
     S, P = state
     out = []
     for t in range(q.shape[1]):

@@ -1,4 +1,4 @@
-"""KDA's gate for the Diagonal KDN kernels in one pass (SPEC §5): ``g``, its chunks' sums and the steepest channel.
+"""KDA's gate for the Diagonal KDN kernels in one pass (docs/math.md §5): ``g``, its chunk sums, the steepest channel.
 
 ``g = -exp(A_log) softplus(f + dt_bias)`` feeds three consumers. The gain kernels read ``g`` itself; fla's asymmetric
 memory reads its cumulative sums within chunks of 64 tokens, in log2 units; and the check of fla's tensor-core path

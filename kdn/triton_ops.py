@@ -1,4 +1,4 @@
-"""The CUDA backend of KDN: fused Triton gain kernels plus fla's chunk memory kernels (SPEC §3, §4, §6).
+"""The CUDA backend of KDN: fused Triton gain kernels plus fla's chunk memory kernels (docs/math.md §3, §4, §6).
 
 Diagonal gain (ours, Triton): the channels' variances follow independent Möbius recurrences; only the gain's row
 sum ``s_t = r_t + sum_K p^_t k_t^2`` couples them. A program is one warp holding the whole key axis of one
@@ -11,7 +11,7 @@ carry and writes ``kappa = p^ k / s`` (plus fla's DPLR operands ``a = exp(g) k``
 Segments: :func:`gain_segments` (about 4096 programs, at least 64 tokens each).
 
 Diagonal backward: the forward keeps only the segments' carries. The adjoint
-``lambda_{t-1} = a_t (e_t + lambda_t / (1 + u_t p^_t)^2)`` (SPEC §6, ``e`` the direct gradient of ``p^``) is
+``lambda_{t-1} = a_t (e_t + lambda_t / (1 + u_t p^_t)^2)`` (docs/math.md §6, ``e`` the direct gradient of ``p^``) is
 affine in ``lambda``. The first launch replays each segment, stores every token's ``p_t`` in a transient FP32
 buffer and composes the segment's adjoint steps into one ``(P, Q)`` per channel; the second walks the segments
 backwards from ``dp_T`` (each segment's ``lambda`` at its last token, and ``dp0``); the third walks each
@@ -1037,15 +1037,15 @@ def safe_steepest(steep: Tensor) -> SafeGate:
 
 
 # The Diagonal memory kernel: "asym" (fla's asymmetric chunk-64 delta-rule kernels, ``_AsymmetricMemory``; the
-# faster: bench/RESULTS.md) or "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK).
+# faster: docs/results.md) or "dplr" (fla's chunk_dplr_delta_rule, chunk DPLR_CHUNK).
 DIAG_MEMORY = "asym"
 # fla's DPLR chunk size: 16 (fla's default) or 32. fla's kernels at 64 assume a lower bound on the gate; under strong
-# forgetting they miss the log-retention gradient tolerance (2.3% against 2% at T = 1000, bench/RESULTS.md session 7)
+# forgetting they miss the log-retention gradient tolerance (2.3% against 2% at T = 1000, docs/performance.md)
 DPLR_CHUNK = 16
 ASYM_CHUNK = 64
 # The asymmetric memory's backward needs the forward's WY terms (w, q exp2(gc), kg) and chunk states (h, v_new). False:
 # the forward keeps them, five more [B,T,H,K]-sized bf16 tensors per layer (about 0.8 GiB per layer for 32K tokens of
-# 16 heads of 128); True: the backward recomputes them, as fla's chunk_kda does (bench/RESULTS.md, session 12).
+# 16 heads of 128); True: the backward recomputes them, as fla's chunk_kda does (docs/performance.md).
 RECOMPUTE_STATES = False
 
 
@@ -1294,8 +1294,7 @@ def isotropic_kdn(
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Isotropic KDN on CUDA: the fused Triton gain + KDA's rule with ``beta`` = the KDN gain (:func:`kda`: the
-    asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``; bench/RESULTS.md,
-    session 9).
+    asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``; docs/performance.md).
 
     Shapes as :func:`isotropic_gain` plus ``q [B,T,H,K]``, ``v [B,T,H,V]``; ``state = (S0 [N,H,K,V] or None,
     b0 [N,H])``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``.
@@ -1314,7 +1313,7 @@ def kda(
 ) -> tuple[Tensor, Tensor | None]:
     """KDA's rule (fla's ``chunk_kda``: ``S_t = D_t S_{t-1} + beta_t k_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale
     q_t^T S_t``) through the asymmetric memory with ``kappa = k`` (:class:`_AsymmetricMemory`), whose backward is
-    faster than ``chunk_kda``'s (bench/RESULTS.md, session 10), as Isotropic KDN runs it.
+    faster than ``chunk_kda``'s (docs/performance.md), as Isotropic KDN runs it.
 
     ``q, k: [B,T,H,K]``, ``v [B,T,H,V]`` (one dtype), ``g [B,T,H,K]`` log-retention, ``beta [B,T,H]`` (``q``'s dtype),
     ``initial_state [N,H,K,V]`` FP32 or ``None``; ``cu_seqlens [N+1]``: packed sequences (``B = 1``), else ``N = B``;

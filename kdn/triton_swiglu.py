@@ -7,7 +7,7 @@ need two GEMMs and an add; views of one output would need a ``cat`` of their gra
 
 The grid is 2-D (row blocks x column blocks), so no element's row and column come from an integer division: fla's
 ``swiglu`` kernels index a flat range with ``offs // D`` and ``offs % D`` in int64, which held them to about 60% of
-HBM bandwidth at the 750M model's width (bench/RESULTS.md, session 10).
+HBM bandwidth at the 750M model's width (docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Backbones and baseline mixers as Hugging Face models (issue 4).
+"""Backbones and baseline mixers as Hugging Face models.
 
 ``model_config(size, mixer, pattern)`` -> :class:`KDNConfig` (FFN width solved for parameter matching),
 ``build_model(cfg)`` -> :class:`KDNForCausalLM`; ``MIXERS`` is the mixer registry. Importing this

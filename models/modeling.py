@@ -155,7 +155,7 @@ class KDNModel(KDNPreTrainedModel):
         if use_cache:
             cache.seen_tokens += T
         # the last add is a plain FP32 add (one per step): fla's fused add + norm faulted here under FSDP2 (illegal
-        # memory access, Triton 3.6, H200; bench/RESULTS.md, session 6); the blocks' add_norm now runs our kernel
+        # memory access, Triton 3.6, H200; docs/performance.md, "FSDP2"); the blocks' add_norm now runs our kernel
         # (kdn.triton_norm), not yet tried in this place. The norm comes back in the sublayers' dtype, as
         # add_norm's: the LM head's under FSDP2 (no autocast there)
         out = self.norm(h if residual is None else residual + h).to(h.dtype)

@@ -56,7 +56,7 @@ def _kdn(isotropic: bool) -> MixerSpec:
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         layer = cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
                     layer_idx=idx, **kw)
-        if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (SPEC §5) survives weight init
+        if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (docs/math.md §5) survives weight init
             (layer.omega_proj if isotropic else layer.omega_proj[-1])._keep_init = True
         return layer
 

@@ -1,4 +1,4 @@
-"""Model sizes and parameter matching (SPEC §8).
+"""Model sizes and parameter matching (docs/protocol.md §8).
 
 Every model of a comparison uses the same backbone (layers, width, recurrent heads); the SwiGLU width
 is solved so that its non-embedding parameter count is within ``TOLERANCE`` of the KDA model with the

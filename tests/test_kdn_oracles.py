@@ -1,4 +1,4 @@
-"""The paper's closed-form oracles (SPEC §7)."""
+"""The paper's closed-form oracles (docs/math.md §7)."""
 from __future__ import annotations
 
 import math

@@ -128,7 +128,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Budget:
-    """Step arithmetic derived from the token budget and the batch (SPEC §8)."""
+    """Step arithmetic derived from the token budget and the batch (docs/protocol.md §8)."""
 
     total_steps: int
     grad_accum: int

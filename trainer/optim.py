@@ -1,4 +1,4 @@
-"""AdamW with the paper's decay rules and the warm-up + cosine schedule (SPEC §8)."""
+"""AdamW with the paper's decay rules and the warm-up + cosine schedule (docs/protocol.md §8)."""
 from __future__ import annotations
 
 import math
@@ -33,7 +33,7 @@ def build_optimizer(
     model: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float
 ) -> torch.optim.AdamW:
     """AdamW over ``param_groups(model, weight_decay)``, fused: one kernel per step for all parameters (CPU and
-    CUDA; foreach AdamW took 21 ms of a 750M step on an H200 against 8 ms fused, bench/RESULTS.md session 9)."""
+    CUDA; foreach AdamW took 21 ms of a 750M step on an H200 against 8 ms fused, docs/performance.md, "Optimiser")."""
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True)
 
 

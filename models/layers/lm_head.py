@@ -6,7 +6,7 @@ drops it. Called through the module (not by reading ``weight``), so FSDP2's hook
 
 The matmuls run in the activations' dtype (bf16 under autocast), and the weight gradient accumulates over the
 chunks in FP32. fla's fused linear cross-entropy gets the same FP32 sums by upcasting both operands, which puts its
-weight-gradient GEMMs on TF32, about 3x slower than bf16 at 750M on an H200 (bench/RESULTS.md, session 7). On CUDA
+weight-gradient GEMMs on TF32, about 3x slower than bf16 at 750M on an H200 (docs/performance.md, "LM head"). On CUDA
 the per-chunk softmax and its gradient are fla's Triton cross-entropy kernels; elsewhere the same maths in PyTorch.
 """
 from __future__ import annotations
