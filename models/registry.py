@@ -2,7 +2,8 @@
 
 ``MIXERS[name]`` is a :class:`MixerSpec`; an unknown name raises a ``ValueError`` that lists the
 known ones. ``spec.build(config, layer_idx, kwargs)`` makes the module (``kwargs`` being the
-config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window);
+config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window; the config's ``fused`` and
+``recompute_states`` reach every mixer that reads them);
 ``spec.state_size(config, kwargs)`` is the recurrent memory per sequence and layer, in elements
 (``None`` for full attention, whose cache grows with the sequence).
 """
@@ -55,7 +56,7 @@ def _kdn(isotropic: bool) -> MixerSpec:
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         layer = cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
-                    layer_idx=idx, **kw)
+                    layer_idx=idx, fused=cfg.fused, recompute_states=cfg.recompute_states, **kw)
         if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (docs/math.md §5) survives weight init
             (layer.omega_proj if isotropic else layer.omega_proj[-1])._keep_init = True
         return layer
@@ -63,7 +64,8 @@ def _kdn(isotropic: bool) -> MixerSpec:
     def state(cfg: Any, kw: dict) -> int:
         return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
 
-    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", ("mu", "alpha_param", "noise", "backend"), build, state)
+    kwargs = ("mu", "alpha_param", "noise", "backend") + (() if isotropic else ("memory", "chunk_size"))
+    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", kwargs, build, state)
 
 
 def _delta(name: str) -> MixerSpec:
@@ -71,7 +73,7 @@ def _delta(name: str) -> MixerSpec:
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         return cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
-                   layer_idx=idx, **kw)
+                   layer_idx=idx, fused=cfg.fused, recompute_states=cfg.recompute_states, **kw)
 
     return MixerSpec(name, ("output_gate", "backend"), build, _matrix_state)
 
@@ -97,7 +99,7 @@ def _mamba3(mimo: bool) -> MixerSpec:
         kw = {**kw, "state_size": mamba3_state_size(cfg, kw)}
         if not mimo and "mimo_rank" in kw:
             raise ValueError("mimo_rank applies to mamba3_mimo only")
-        return Mamba3(cfg.hidden_size, is_mimo=mimo, norm_eps=cfg.norm_eps, layer_idx=idx, **kw)
+        return Mamba3(cfg.hidden_size, is_mimo=mimo, norm_eps=cfg.norm_eps, layer_idx=idx, fused=cfg.fused, **kw)
 
     def state(cfg: Any, kw: dict) -> int:
         inner = int(kw.get("expand", 2) * cfg.hidden_size)

@@ -1,5 +1,5 @@
-"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput, the stage time limits
-of bench/device.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time), and
+"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput (arguments), the stage
+time limits of bench/device.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time), and
 bench.warm_triton's workers (each compiles and runs its share of the configurations, untimed, and keeps no
 autotune results), in Triton's interpreter."""
 from __future__ import annotations
@@ -15,24 +15,24 @@ from pathlib import Path
 import pytest
 
 from bench.mixer_throughput import variant
-from kdn import triton_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_variant_sets_and_restores_the_memory_settings() -> None:
-    before = (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK)
-    with variant("kdn_diag@c32") as base:
-        assert base == "kdn_diag"
-        assert (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK) == ("dplr", 32)
-    with variant("kdn_diag@dplr"):
-        assert triton_ops.DIAG_MEMORY == "dplr"
-    with variant("kdn_iso") as base:
-        assert base == "kdn_iso"
-    assert (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK) == before
+def test_variant_names_the_memory_settings() -> None:
+    """``kdn_diag@<tag>`` names the Diagonal memory route, passed to the layer and the op as arguments."""
+    assert variant("kdn_diag@c32") == ("kdn_diag", {"memory": "dplr", "chunk_size": 32})
+    assert variant("kdn_diag@dplr") == ("kdn_diag", {"memory": "dplr"})
+    assert variant("kdn_diag@asym") == ("kdn_diag", {"memory": "asym"})
+    assert variant("kdn_iso") == ("kdn_iso", {})
     for tag in ("x64", "c64"):
-        with pytest.raises(ValueError, match=f"unknown variant '{tag}'"), variant(f"kdn_diag@{tag}"):
-            pass
+        with pytest.raises(ValueError, match=f"unknown variant '{tag}'"):
+            variant(f"kdn_diag@{tag}")
+    import kdn
+
+    for name in ("kdn_diag@c32", "kdn_diag@dplr", "kdn_diag@asym"):  # every variant builds its layer
+        layer = kdn.DiagonalKDN(32, 2, 8, **variant(name)[1])
+        assert (layer.memory, layer.chunk_size) == (variant(name)[1]["memory"], variant(name)[1].get("chunk_size"))
 
 
 def _run_stages(script: str, env: dict[str, str]) -> tuple[str, float]:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kdn._validate import check_cu_seqlens
 from kdn.modules import RMSNorm, current_mask
-from kdn.packing import repack, unpack
+from kdn.ops.packing import repack, unpack
+from kdn.ops.validate import check_cu_seqlens
 
 __all__ = ["current_mask", "repack", "unpack", "unpack_all", "check_cu_seqlens", "last_index", "RMSNorm"]
 

@@ -1,5 +1,5 @@
 """The pre-norm residual step on CUDA: ``residual' = residual + x`` (FP32) and ``RMSNorm(residual')``, one Triton
-pass each way (:func:`add_rms_norm`, the CUDA path of ``kdn.modules.RMSNorm.add_norm``).
+pass each way (:func:`add_rms_norm`, the CUDA path of :meth:`kdn.modules.RMSNorm.add_norm`).
 
 Forward: a program per row. Backward: ``ROWS`` consecutive rows per program, one row at a time, the weight's
 gradient summed in registers and the programs' partial sums added in torch. fla's row kernel (``rms_norm(...,
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-ROWS = 32  # rows per backward program (16-64 measured alike on an H200, 128 slower: docs/results.md)
+ROWS = 32  # default rows per backward program (16-64 measured alike on an H200, 128 slower: docs/results.md)
 
 
 @triton.jit
@@ -61,6 +61,7 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+        rows: int,
     ) -> tuple[Tensor, Tensor]:
         shape, D = x.shape, x.shape[-1]
         x2 = x.reshape(-1, D).contiguous()
@@ -74,7 +75,7 @@ class _AddRMSNorm(torch.autograd.Function):
             _add_rms_norm_fwd_kernel[(T,)](x2, res2, weight, y, res_out, rstd, D, eps, HAS_RES=res2 is not None,
                                            BD=BD, num_warps=min(max(BD // 256, 1), 16))
         ctx.save_for_backward(res_out, rstd, weight)
-        ctx.x_dtype, ctx.has_res = x.dtype, residual is not None
+        ctx.x_dtype, ctx.has_res, ctx.rows = x.dtype, residual is not None, rows
         return y.view(shape), res_out.view(shape)
 
     @staticmethod
@@ -87,23 +88,27 @@ class _AddRMSNorm(torch.autograd.Function):
         dres_out2 = dres_out.reshape(T, D).contiguous() if dres_out is not None else None
         dx = torch.empty(T, D, device=dy.device, dtype=ctx.x_dtype)
         dres = torch.empty(T, D, device=dy.device, dtype=torch.float32) if ctx.has_res else None
-        P = triton.cdiv(T, ROWS)
+        P = triton.cdiv(T, ctx.rows)
         dw = torch.zeros(max(P, 1), D, device=dy.device, dtype=torch.float32)
         BD = triton.next_power_of_2(D)
         if T:
             _add_rms_norm_bwd_kernel[(P,)](res_out, rstd, weight, dy2, dres_out2, dx, dres, dw, T, D,
-                                           HAS_DRES_OUT=dres_out2 is not None, HAS_RES=dres is not None, ROWS=ROWS,
+                                           HAS_DRES_OUT=dres_out2 is not None, HAS_RES=dres is not None, ROWS=ctx.rows,
                                            BD=BD, num_warps=min(max(BD // 256, 1), 16))
-        return (dx.view(shape), None if dres is None else dres.view(shape), dw.sum(0).to(weight.dtype), None)
+        return (dx.view(shape), None if dres is None else dres.view(shape), dw.sum(0).to(weight.dtype), None, None)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *, rows: int = ROWS
+) -> tuple[Tensor, Tensor]:
     """``residual' = residual + x`` in FP32 (``x`` alone when ``residual`` is ``None``) and ``RMSNorm(residual')
-    * weight`` in ``x``'s dtype. ``x, residual: [..., D]`` (``residual`` FP32), ``weight [D]``. Returns
-    ``(normed, residual')``; differentiable in ``x``, ``residual`` and ``weight``."""
+    * weight`` in ``x``'s dtype. ``x, residual: [..., D]`` (``residual`` FP32), ``weight [D]``; ``rows``: rows per
+    backward program. Returns ``(normed, residual')``; differentiable in ``x``, ``residual`` and ``weight``."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int (rows per backward program), got {rows!r}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32):
         raise ValueError(f"residual must be FP32 with x's shape {tuple(x.shape)}, got {residual.dtype} "
                          f"{tuple(residual.shape)}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-    return _AddRMSNorm.apply(x, residual, weight, eps)
+    return _AddRMSNorm.apply(x, residual, weight, eps, rows)

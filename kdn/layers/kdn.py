@@ -1,20 +1,25 @@
 """Diagonal and Isotropic KDN mixers as ``nn.Module``s (docs/math.md §5).
 
-Both share KDA's front end (``kdn.modules.DeltaFrontEnd``) and differ only in the shape of the
-process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``.
+Both share KDA's front end (:class:`kdn.modules.DeltaFrontEnd`) and differ only in the shape of the
+process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``. The kernels'
+settings are constructor arguments: ``fused`` (the fused CUDA front end), ``recompute_states`` (the memory's backward
+recomputes its states) and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route,
+:func:`kdn.ops.diagonal_kdn`).
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn import api
-from kdn.cache import RecurrentCache
+from kdn.layers.cache import RecurrentCache
 from kdn.modules import DeltaFrontEnd, Linear, current_mask, finish, inv_softplus, low_rank, upcast
+from kdn.ops import api
+from kdn.ops.validate import check_memory
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -28,9 +33,18 @@ class _KalmanDelta(nn.Module):
         self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
         mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
         conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
-        backend: str | None = None,
+        backend: str | None = None, fused: bool = True, recompute_states: bool = False, memory: str = "asym",
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
+        check_memory(memory, chunk_size)
+        if self.isotropic and (memory, chunk_size) not in (("asym", None), ("asym", 64)):
+            raise ValueError(f"IsotropicKDN runs the asymmetric memory only; drop memory={memory!r} / "
+                             f"chunk_size={chunk_size!r}")
+        for name, flag in (("fused", fused), ("recompute_states", recompute_states)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.fused, self.recompute_states, self.memory, self.chunk_size = fused, recompute_states, memory, chunk_size
         if noise not in NOISE_CHOICES:
             raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {noise!r}")
         if isinstance(mu, str) and mu not in MU_CHOICES:
@@ -41,7 +55,7 @@ class _KalmanDelta(nn.Module):
         self.layer_idx, self.backend, self.noise, self.mu_choice = layer_idx, backend, noise, mu
         H, K = num_heads, head_dim
         self.front = DeltaFrontEnd(hidden_size, H, K, conv_size=conv_size, alpha_param=alpha_param,
-                                   norm_eps=norm_eps)
+                                   norm_eps=norm_eps, fused=fused)
         if noise == "learned":
             self.r_proj = Linear(hidden_size, H, bias=True)
             nn.init.zeros_(self.r_proj.bias)
@@ -109,8 +123,10 @@ class _KalmanDelta(nn.Module):
                                     last["conv"] if last else None, cu_seqlens, use_cache)
         q, k, v = p["q"], p["k"], p["v"]
         decoding = T == 1 and last is not None and cu_seqlens is None
-        # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f
-        kda = None if self.isotropic or decoding or mask is not None or output_beta_eff else self.front.gate_input(p)
+        # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;
+        # without the fused kernels (fused=False) the front end's PyTorch gate makes g
+        plain = self.isotropic or decoding or mask is not None or output_beta_eff or not self.fused
+        kda = None if plain else self.front.gate_input(p)
         g = kda[0] if kda is not None else self.front.log_retention(p)
         logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
         omega, r = self.noise_terms(p, omega_logits=logits)
@@ -131,7 +147,11 @@ class _KalmanDelta(nn.Module):
                             mu=self.mu(), validate=False)
             o = o[:, None]
         else:
-            fn = api.isotropic_kdn if self.isotropic else api.diagonal_kdn
+            if self.isotropic:
+                fn = partial(api.isotropic_kdn, recompute_states=self.recompute_states)
+            else:
+                fn = partial(api.diagonal_kdn, memory=self.memory, chunk_size=self.chunk_size,
+                             recompute_states=self.recompute_states)
             o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
                           validate=False, omega_softplus=logits,  # valid by construction: g <= 0, r >= 0.01

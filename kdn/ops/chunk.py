@@ -5,12 +5,19 @@ innovations solve a unit lower-triangular system (the UT transform); across chun
 carried. Decay ratios ``Gamma_t / Gamma_s`` come from cumulative log-retention ``gc``: as
 ``exp(gc_t) exp(-gc_s)`` (two matmuls) while a chunk's span keeps both factors representable, otherwise
 as ``exp(gc_t - gc_s)`` masked before exponentiation, so strong forgetting neither overflows nor loses accuracy.
+
+:func:`torch_diagonal_kdn` and :func:`torch_isotropic_kdn` are the whole chunked PyTorch path of the two KDNs: the
+gain scans of :mod:`kdn.ops.gain`, then :func:`memory_chunk`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kdn.ops import gain as _gain
+
+State = tuple[Tensor, Tensor]
 
 MEMORY_CHUNK = 32
 # Largest in-chunk log-decay span for which exp(gc_t) and exp(-gc_s) are both representable with ample
@@ -66,3 +73,23 @@ def memory_chunk(
         S = gamma_last[:, :, n] * S + kappa_dec[:, :, n].transpose(-1, -2) @ delta
     o = torch.stack(out, 2).reshape(B, H, N * chunk, V).transpose(1, 2)[:, :T]
     return o, S
+
+
+def torch_diagonal_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State
+) -> tuple[Tensor, State]:
+    """Diagonal KDN in chunked PyTorch: ``q, k, g, omega [B,T,H,K]``, ``v [B,T,H,V]``, ``r [B,T,H]``, ``mu [H]``,
+    ``initial_state = (S [B,H,K,V], p [B,H,K])``, one float dtype. Returns ``o [B,T,H,V]`` and ``(S_T, p_T)``."""
+    kappa, p = _gain.diagonal_gain(k, g, omega, r, mu, initial_state[1])
+    o, S = memory_chunk(q, k, kappa, v, g, initial_state[0])
+    return o, (S, p)
+
+
+def torch_isotropic_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State
+) -> tuple[Tensor, State]:
+    """Isotropic KDN in chunked PyTorch: as :func:`torch_diagonal_kdn` with ``omega [B,T,H]`` and
+    ``initial_state = (S, b [B,H])``."""
+    beta, b = _gain.isotropic_gain(k, g, omega, r, mu, initial_state[1])
+    o, S = memory_chunk(q, k, beta[..., None] * k, v, g, initial_state[0])
+    return o, (S, b)

@@ -1,6 +1,6 @@
 """The front end's short convolutions on CUDA, fused: causal depthwise conv (width 4) + SiLU over ``q, k, v`` and
 the L2 norm of ``q`` and ``k`` per head, one Triton pass each way, read from and written to the joint projection
-(:func:`front_conv`, the CUDA path of ``kdn.modules.DeltaFrontEnd.inputs``).
+(:func:`front_conv`, the CUDA path of :meth:`kdn.modules.DeltaFrontEnd.inputs`).
 
 The three streams are the first ``C = 2HK + HV`` columns of the joint projection ``y [B, T, N]`` (one GEMM computes
 every projection of the layer input). A program holds ``G`` heads of one stream (a warp each, the head's channels
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-L_FWD, L_BWD = 64, 64  # tokens per program in each direction
-HEADS = 1  # heads per program at most (one warp each); the largest power of two dividing H up to it is taken
+L_FWD, L_BWD = 64, 64  # default tokens per program in each direction
+HEADS = 1  # default heads per program at most (one warp each); the largest power of two dividing H up to it is taken
 
 
 @triton.jit
@@ -238,21 +238,22 @@ class _FrontConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, w: Tensor, pos: Tensor | None, T: int, H: int,
-                K: int, V: int, eps: float) -> tuple[Tensor, ...]:
+                K: int, V: int, eps: float, tiles: tuple[int, int, int]) -> tuple[Tensor, ...]:
         M, N = y.shape
         C = H * (2 * K + V)
         q, k = (y.new_empty(M, H * K) for _ in range(2))
         v = y.new_empty(M, H * V)
+        L_fwd, _, heads = tiles
         # Triton's interpreter (CPU tensors) runs the programs one by one: there, fewer and wider ones are faster
-        G = max(g for g in (1, 2, 4, 8, 16) if g <= (HEADS if y.is_cuda else 16) and H % g == 0)
+        G = max(g for g in (1, 2, 4, 8, 16) if g <= (heads if y.is_cuda else 16) and H % g == 0)
         meta = {"W": w.shape[1], "G": G, "BD": triton.next_power_of_2(max(K, V)), "IS_VARLEN": pos is not None,
                 "num_warps": G}
         if M:
-            grid = (triton.cdiv(M, L_FWD), 3 * H // G)
-            _front_conv1d_fwd_kernel[grid](y, w, pos, q, k, v, M, T, N, H, K, V, eps, L_FWD,
-                                           MASKED=pos is not None or T % L_FWD != 0, **meta)
+            grid = (triton.cdiv(M, L_fwd), 3 * H // G)
+            _front_conv1d_fwd_kernel[grid](y, w, pos, q, k, v, M, T, N, H, K, V, eps, L_fwd,
+                                           MASKED=pos is not None or T % L_fwd != 0, **meta)
         ctx.save_for_backward(y, w, pos)
-        ctx.dims, ctx.meta = (T, H, K, V, eps), meta
+        ctx.dims, ctx.meta, ctx.L_bwd = (T, H, K, V, eps), meta, tiles[1]
         return q, k, v, y[:, C:].contiguous()
 
     @staticmethod
@@ -269,25 +270,31 @@ class _FrontConv(torch.autograd.Function):
             dy[:, C:].zero_()
         else:
             dy[:, C:] = drest
-        NB = triton.cdiv(M, L_BWD)
+        L_bwd = ctx.L_bwd
+        NB = triton.cdiv(M, L_bwd)
         dw = w.new_empty(NB, C, w.shape[1], dtype=torch.float32)
         if M:
             grid = (NB, 3 * H // ctx.meta["G"])
-            _front_conv1d_bwd_kernel[grid](y, w, pos, dq, dk, dv, dy, dw, M, T, N, H, K, V, eps, L_BWD,
-                                           MASKED=pos is not None or T % L_BWD != 0, **ctx.meta)
-        return dy, dw.sum(0).to(w.dtype), None, None, None, None, None, None
+            _front_conv1d_bwd_kernel[grid](y, w, pos, dq, dk, dv, dy, dw, M, T, N, H, K, V, eps, L_bwd,
+                                           MASKED=pos is not None or T % L_bwd != 0, **ctx.meta)
+        return dy, dw.sum(0).to(w.dtype), None, None, None, None, None, None, None
 
 
 def front_conv(y: Tensor, weight: Tensor, num_heads: int, head_dim: int, value_dim: int, eps: float = 1e-6,
-               cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               cu_seqlens: Tensor | None = None, *, tokens_fwd: int = L_FWD, tokens_bwd: int = L_BWD,
+               heads: int = HEADS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The short convolutions of the joint projection ``y [B, T, N]`` (CUDA, or the CPU under Triton's interpreter).
 
     ``y[..., :C]`` (``C = H(2K + V)``) holds the ``q, k, v`` projections; ``weight [C, 4]`` their depthwise taps
     (``weight[:, 3]`` multiplies the current token). Returns ``q, k [B, T, H, K]`` (conv, SiLU, L2 norm per head
     with ``eps`` under the root), ``v [B, T, H, V]`` (conv, SiLU), in ``y``'s dtype, and ``rest = y[..., C:]``
     (a contiguous copy: the other projections, whose gradients this function passes back into ``y``'s).
-    ``cu_seqlens [S+1]`` (``B = 1``): packed sequences, no tap crosses their boundaries. Differentiable in ``y`` and
-    ``weight``."""
+    ``cu_seqlens [S+1]`` (``B = 1``): packed sequences, no tap crosses their boundaries. Launch tiles: ``tokens_fwd``,
+    ``tokens_bwd`` tokens per program each way, at most ``heads`` heads per program (CUDA). Differentiable in ``y``
+    and ``weight``."""
+    for name, n in (("tokens_fwd", tokens_fwd), ("tokens_bwd", tokens_bwd), ("heads", heads)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     B, T, N = y.shape
     H, K, V = num_heads, head_dim, value_dim
     C = H * (2 * K + V)
@@ -297,5 +304,6 @@ def front_conv(y: Tensor, weight: Tensor, num_heads: int, head_dim: int, value_d
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need B = 1, got B = {B}")
     pos = _positions(B * T, cu_seqlens, y.device)
-    q, k, v, rest = _FrontConv.apply(y.reshape(B * T, N).contiguous(), weight.contiguous(), pos, T, H, K, V, eps)
+    q, k, v, rest = _FrontConv.apply(y.reshape(B * T, N).contiguous(), weight.contiguous(), pos, T, H, K, V, eps,
+                                     (tokens_fwd, tokens_bwd, heads))
     return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), rest.view(B, T, N - C)

@@ -1,9 +1,12 @@
-"""The public functional API of KDN (docs/math.md §1–6).
+"""The public functional API of KDN (docs/math.md §1–6): validation and dispatch.
 
-``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences
-(``cu_seqlens``) and dispatch to a backend: ``"torch"`` (chunked PyTorch, any device) or
-``"triton"`` (CUDA kernels). Computation is in FP32 (float64 when given float64); outputs come
-back in ``v``'s dtype, states in the compute dtype.
+``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences (``cu_seqlens``) and dispatch
+to a backend: ``"torch"`` (the chunked PyTorch path, :mod:`kdn.ops.chunk`, any device) or ``"triton"`` (the CUDA
+kernels, :mod:`kdn.ops.triton.kdn`). ``*_gain`` run the gain scans alone, ``*_step`` one decoding token (the fused
+Triton step, :mod:`kdn.ops.fused_recurrent`, on CUDA without autograd; else :mod:`kdn.ops.naive`), and
+``exact_kalman_memory`` the dense-covariance reference. Computation is in FP32 (float64 when given float64);
+outputs come back in ``v``'s dtype, states in the compute dtype. Every entry point takes the tensors
+``q, k, v, g, omega, r`` first and its settings as keywords.
 """
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn import chunk as _chunk
-from kdn import gain as _gain
-from kdn import naive as _naive
-from kdn._validate import check_cu_seqlens, check_shape, check_values
-from kdn.modules import kda_gate
-from kdn.packing import repack, unpack
+from kdn.ops import chunk as _chunk
+from kdn.ops import gain as _gain
+from kdn.ops import naive as _naive
+from kdn.ops.gate import kda_gate
+from kdn.ops.packing import repack, unpack
+from kdn.ops.validate import check_cu_seqlens, check_memory, check_shape, check_values
 
 State = tuple[Tensor, Tensor]
 BACKENDS = ("torch", "triton")
@@ -80,16 +83,10 @@ def _resolve_backend(backend: str | None, device: torch.device, dtype: torch.dty
 
 def _triton_available() -> bool:
     try:
-        from kdn import triton_ops  # noqa: F401
+        from kdn.ops.triton import kdn  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def _diag_memory() -> str:
-    from kdn import triton_ops
-
-    return triton_ops.DIAG_MEMORY
 
 
 def _run(
@@ -97,9 +94,12 @@ def _run(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
     cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float, omega_softplus: bool,
-    gate: tuple[Tensor, Tensor] | None,
+    gate: tuple[Tensor, Tensor] | None, memory: str, chunk_size: int | None, recompute_states: bool,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
+    check_memory(memory, chunk_size)
+    if not isinstance(recompute_states, bool):
+        raise ValueError(f"recompute_states must be True or False, got {recompute_states!r}")
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
     if gate is not None:
         if not isinstance(gate, (tuple, list)) or len(gate) != 2:
@@ -134,34 +134,36 @@ def _run(
                      nonnegative=() if omega_softplus else ("omega",), positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
     # the Diagonal Triton gain and asymmetric memory apply KDA's gate themselves; every other route gets g
-    fused_gate = gate is not None and backend == "triton" and not isotropic and _diag_memory() == "asym"
+    fused_gate = gate is not None and backend == "triton" and not isotropic and memory == "asym"
     if gate is not None and not fused_gate:
         g = kda_gate(g, *gate)
     # the Diagonal Triton gain applies omega's softplus itself (packed sequences too, unless they are unpacked
     # for the DPLR memory); every other route gets omega
     fused_softplus = omega_softplus and backend == "triton" and not isotropic and (
-        cu_seqlens is None or _diag_memory() == "asym")
+        cu_seqlens is None or memory == "asym")
     if omega_softplus and not fused_softplus:
         omega = F.softplus(omega.to(dt))
-    if backend == "triton":
-        from kdn import triton_ops
-
-        fn: Callable = triton_ops.isotropic_kdn if isotropic else triton_ops.diagonal_kdn
-    else:
-        fn = _torch_isotropic if isotropic else _torch_diagonal
     if backend == "triton":  # kernels take bf16 operands as they come and keep FP32 gates and states
+        from kdn.ops.triton import kdn as _triton
+
+        if isotropic:
+            run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states)
+        else:
+            run = partial(_triton.chunk_diagonal_kdn, memory=memory, chunk_size=chunk_size,
+                          recompute_states=recompute_states, omega_softplus=fused_softplus,
+                          gate=gate if fused_gate else None)
         # a zero initial memory travels as None: the memory kernels then skip reading it
         args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
-        run = partial(fn, scale=float(scale), output_final_state=output_final_state,
-                      **({"omega_softplus": True} if fused_softplus else {}), **({"gate": gate} if fused_gate else {}))
+        run = partial(run, scale=float(scale), output_final_state=output_final_state)
     else:
+        fn: Callable = _chunk.torch_isotropic_kdn if isotropic else _chunk.torch_diagonal_kdn
         S0 = q.new_zeros(n_seq, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
         args, state = [x.to(dt) for x in (q * scale if scale != 1.0 else q, k, v, g, omega, r)], (S0, p0.to(dt))
         run = partial(_without_autocast, fn)
     if cu_seqlens is None:
         o, final = run(*args, mu_t, state)
-    elif backend == "triton" and (isotropic or _diag_memory() == "asym"):  # the kernels take the offsets
+    elif backend == "triton" and (isotropic or memory == "asym"):  # the kernels take the offsets
         o, final = run(*args, mu_t, state, cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long))
     else:  # the PyTorch path and fla's DPLR memory run packed sequences as a padded batch
         o, final = _varlen(run, args, mu_t, state, cu_seqlens)
@@ -185,22 +187,6 @@ def _varlen(fn: Callable, args: list[Tensor], mu: Tensor, state: tuple, cu_seqle
     return repack(o, cu_seqlens), final
 
 
-def _torch_diagonal(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
-) -> tuple[Tensor, State]:
-    kappa, p = _gain.diagonal_gain(k, g, omega, r, mu, state[1])
-    o, S = _chunk.memory_chunk(q, k, kappa, v, g, state[0])
-    return o, (S, p)
-
-
-def _torch_isotropic(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
-) -> tuple[Tensor, State]:
-    beta, b = _gain.isotropic_gain(k, g, omega, r, mu, state[1])
-    o, S = _chunk.memory_chunk(q, k, beta[..., None] * k, v, g, state[0])
-    return o, (S, b)
-
-
 def diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, *,
     mu: float | Tensor | None = None,
@@ -212,26 +198,50 @@ def diagonal_kdn(
     scale: float = 1.0,
     omega_softplus: bool = False,
     gate: tuple[Tensor, Tensor] | None = None,
+    memory: str = "asym",
+    chunk_size: int | None = None,
+    recompute_states: bool = False,
 ) -> tuple[Tensor, State | None]:
-    """Diagonal KDN (docs/math.md §3).
+    """Diagonal KDN (docs/math.md §3): per-channel uncertainty ``p [K]`` per head, gain ``kappa`` on the write side.
 
-    Args: ``q, k, g, omega: [B,T,H,K]``; ``v: [B,T,H,V]``; ``r: [B,T,H]``; ``mu``: float or ``[H]``
-    (default ``K``); ``initial_state``: ``(S [N,H,K,V], p [N,H,K])`` (default ``S=0, p=1``; ``S=None``
-    means a zero memory); ``cu_seqlens``: ``[N+1]`` offsets of packed sequences (``B = 1``);
-    ``scale``: multiplies ``q`` (the kernels fold it in; the layers pass ``K^-0.5``).
-    ``omega_softplus``: ``omega`` is given before its softplus (any real values; the Diagonal CUDA kernels apply
-    it in FP32 and save a pass over ``[B,T,H,K]`` each way; other routes apply it first).
-    ``gate = (A_log [H], dt_bias [H*K])``: ``g`` holds the input ``f`` of KDA's gate (any real values) and
-    ``g = -exp(A_log) softplus(f + dt_bias)`` (:func:`kdn.modules.kda_gate`, differentiable in both parameters). The
-    Diagonal CUDA kernels apply it in FP32 in one pass with the memory's chunk sums (:mod:`kdn.triton_gate`) and take
-    its backward into the gain's (as fla's ``chunk_kda(use_gate_in_kernel=True)`` does for KDA); other routes apply
-    it first.
-    ``validate=False`` skips the value checks (NaN/Inf and ranges; shapes are always checked), which cost
-    one host sync: for callers whose inputs are valid by construction, such as the layers.
-    Returns ``o [B,T,H,V]`` and, if asked, the final ``(S, p)``.
+    Args:
+        q, k, g, omega: ``[B,T,H,K]`` (``g = log(alpha) <= 0``, ``omega >= 0``); v: ``[B,T,H,V]``;
+            r: ``[B,T,H]`` (``> 0``).
+        mu: float or ``[H]`` (default ``K``).
+        initial_state: ``(S [N,H,K,V], p [N,H,K])`` (default ``S = 0, p = 1``; ``S = None`` means a zero memory).
+        output_final_state: return the final ``(S, p)``.
+        cu_seqlens: ``[N+1]`` offsets of packed sequences (``B = 1``); else ``N = B``.
+        backend: ``"torch"``, ``"triton"`` or ``None`` (Triton for CUDA tensors below float64).
+        validate: ``False`` skips the value checks (NaN/Inf and ranges; shapes are always checked), which cost
+            one host sync: for callers whose inputs are valid by construction, such as the layers.
+        scale: multiplies ``q`` (the kernels fold it in; the layers pass ``K^-0.5``).
+        omega_softplus: ``omega`` is given before its softplus (any real values; the Diagonal CUDA kernels apply it
+            in FP32 and save a pass over ``[B,T,H,K]`` each way; other routes apply it first).
+        gate: ``(A_log [H], dt_bias [H*K])``: ``g`` holds the input ``f`` of KDA's gate (any real values) and
+            ``g = -exp(A_log) softplus(f + dt_bias)`` (:func:`kdn.ops.gate.kda_gate`, differentiable in both
+            parameters). The Diagonal CUDA kernels apply it in FP32 in one pass with the memory's chunk sums
+            (:mod:`kdn.ops.triton.gate`) and take its backward into the gain's (as fla's
+            ``chunk_kda(use_gate_in_kernel=True)`` does for KDA); other routes apply it first.
+        memory: the CUDA memory route, ``"asym"`` (fla's asymmetric chunk-64 kernels, the faster) or ``"dplr"``
+            (fla's DPLR kernels); checked on every backend, used by ``"triton"``.
+        chunk_size: the memory's chunk: ``None`` or 64 for ``"asym"``, 16 (default) or 32 for ``"dplr"``.
+        recompute_states: the ``"asym"`` memory's backward recomputes its WY terms and chunk states instead of
+            keeping them from the forward (less memory, slower; ``"triton"`` only).
+
+    Returns:
+        ``o [B,T,H,V]`` in ``v``'s dtype and, if ``output_final_state``, the final ``(S, p)`` (else ``None``).
+
+    Example::
+
+        B, T, H, K = 2, 64, 4, 32
+        q, k = (F.normalize(torch.randn(B, T, H, K), dim=-1) for _ in range(2))
+        v = torch.randn(B, T, H, K)
+        g = -0.1 * torch.rand(B, T, H, K)
+        o, (S, p) = kdn.diagonal_kdn(q, k, v, g, torch.rand(B, T, H, K), torch.ones(B, T, H),
+                                     output_final_state=True)
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus, gate)
+                validate, scale, omega_softplus, gate, memory, chunk_size, recompute_states)
 
 
 def isotropic_kdn(
@@ -245,10 +255,24 @@ def isotropic_kdn(
     scale: float = 1.0,
     omega_softplus: bool = False,
     gate: tuple[Tensor, Tensor] | None = None,
+    recompute_states: bool = False,
 ) -> tuple[Tensor, State | None]:
-    """Isotropic KDN (docs/math.md §4): as ``diagonal_kdn`` with ``omega [B,T,H]`` and state ``(S, b [N,H])``."""
+    """Isotropic KDN (docs/math.md §4): one uncertainty scalar ``b`` per head, gain ``kappa = beta k``.
+
+    Args:
+        q, k, g: ``[B,T,H,K]``; v: ``[B,T,H,V]``; omega, r: ``[B,T,H]``.
+        initial_state: ``(S [N,H,K,V], b [N,H])``. Every other argument as in :func:`diagonal_kdn` (the memory is
+            always fla's asymmetric chunk-64 kernels on CUDA).
+
+    Returns:
+        ``o [B,T,H,V]`` and, if asked, the final ``(S, b)``.
+
+    Example::
+
+        o, _ = kdn.isotropic_kdn(q, k, v, g, torch.rand(B, T, H), torch.ones(B, T, H))
+    """
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus, gate)
+                validate, scale, omega_softplus, gate, "asym", None, recompute_states)
 
 
 def _gain_common(
@@ -319,12 +343,13 @@ def _step(
     inputs = (q, k, v, g, omega, r, S, p)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, mu_t))
     if _resolve_backend(None, q.device, dt) == "triton" and not needs_grad:  # one fused kernel on CUDA
-        from kdn import triton_ops
+        from kdn.ops import fused_recurrent as _fused
 
-        o, new = triton_ops.fused_recurrent(*(x[:, None] for x in inputs[:6]), mu_t, (S, p), isotropic)
+        fused = _fused.fused_recurrent_isotropic_kdn if isotropic else _fused.fused_recurrent_diagonal_kdn
+        o, new = fused(*(x[:, None] for x in inputs[:6]), mu_t, (S, p))
         return o[:, 0].to(v.dtype), new
     fn = _naive.isotropic_kdn_step_ref if isotropic else _naive.diagonal_kdn_step_ref
-    o, new = fn(*(x.to(dt) for x in inputs[:6]), (S.to(dt), p.to(dt)), mu_t)
+    o, new = fn(*(x.to(dt) for x in inputs[:6]), mu_t, (S.to(dt), p.to(dt)))
     return o.to(v.dtype), new
 
 

@@ -1,4 +1,4 @@
-"""Input validation shared by every KDN entry point.
+"""Input validation shared by every KDN entry point, and the memory route's settings (:func:`check_memory`).
 
 Every check raises a ``ValueError`` that names the argument and the expected shape or range.
 Range and finiteness checks are fused into one reduction so that a CUDA call syncs once.
@@ -76,3 +76,30 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int) -> list[int]:
             f"cu_seqlens must start at 0, be non-decreasing and end at T={total}, got {c}"
         )
     return c
+
+
+# fla's asymmetric (KDA-style) memory kernels run chunks of ASYM_CHUNK tokens; KDA's gate pass sums over them
+MEMORIES = ("asym", "dplr")
+DPLR_CHUNKS = (16, 32)
+ASYM_CHUNK = 64
+
+
+def check_memory(memory: str, chunk_size: int | None) -> int:
+    """The Diagonal memory route on CUDA and its chunk size; returns the chunk size.
+
+    ``memory="asym"``: fla's asymmetric chunk-64 kernels (``chunk_size`` None or 64). ``"dplr"``: fla's DPLR
+    kernels at ``chunk_size`` 16 (the default) or 32: at 64 they assume a lower bound on the gate and under strong
+    forgetting miss the log-retention gradient tolerance (2.3% against 2% at T = 1000, docs/performance.md)."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
+    if memory == "asym":
+        if chunk_size not in (None, ASYM_CHUNK):
+            raise ValueError(f"memory='asym' runs chunks of {ASYM_CHUNK} tokens; pass chunk_size=None or "
+                             f"{ASYM_CHUNK}, got {chunk_size!r}")
+        return ASYM_CHUNK
+    if chunk_size is None:
+        return DPLR_CHUNKS[0]
+    if chunk_size not in DPLR_CHUNKS or isinstance(chunk_size, bool):
+        raise ValueError(f"memory='dplr' takes chunk_size 16 or 32, got {chunk_size!r}: fla's DPLR kernels at chunk "
+                         "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
+    return chunk_size

@@ -1,11 +1,12 @@
 """KDA's gate for the Diagonal KDN kernels in one pass (docs/math.md §5): ``g``, its chunk sums, the steepest channel.
 
 ``g = -exp(A_log) softplus(f + dt_bias)`` feeds three consumers. The gain kernels read ``g`` itself; fla's asymmetric
-memory reads its cumulative sums within chunks of 64 tokens, in log2 units; and the check of fla's tensor-core path
-(:func:`kdn.triton_ops.safe_gate`) reads each token's steepest channel. fla computes these in three passes over
-``[B,T,H,K]`` FP32 tensors (its gate, ``chunk_local_cumsum`` and our check's row minimum); here one program (one warp)
-walks a chunk of one head token by token, the running sum in registers, and writes all three. The backward of the gate
-is folded into the gain's last backward launch (``GATE`` in :func:`kdn.triton_ops._diag_gain_bwd`).
+memory reads its cumulative sums within chunks of 64 tokens, in log2 units; and the check of fla's tensor-core
+path (:func:`kdn.ops.triton.safe_gate.safe_gate`) reads each token's steepest channel. fla computes these in three
+passes over ``[B,T,H,K]`` FP32 tensors (its gate, ``chunk_local_cumsum`` and our check's row minimum); here one
+program (one warp) walks a chunk of one head token by token, the running sum in registers, and writes all three. The
+backward of the gate is folded into the gain's last backward launch (``GATE`` in
+:func:`kdn.ops.triton.gain_diagonal._diag_gain_bwd`).
 
 Packed sequences: with ``cu_seqlens [N+1]`` (``B = 1``) the programs walk fla's chunk indices
 (``prepare_chunk_indices``), so that no chunk straddles two sequences.
@@ -17,7 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kdn.triton_ops import ASYM_CHUNK, _chan, _softplus
+from kdn.ops.triton.utils import _chan, _softplus
+from kdn.ops.validate import ASYM_CHUNK
 
 LOG2_E = 1.4426950408889634
 
@@ -69,9 +71,9 @@ def kda_gate_fwd(
 
     ``f: [B,T,H,K]`` (any float dtype), ``A_log: [H]``, ``dt_bias: [H*K]``; ``cu_seqlens [N+1]``: packed sequences
     (``B = 1``). ``g = -exp(A_log) softplus(f + dt_bias)`` ``[B,T,H,K]``; ``gc`` its inclusive cumulative sums within
-    each sequence's chunks of :data:`kdn.triton_ops.ASYM_CHUNK` tokens, in log2 units (what fla's
+    each sequence's chunks of :data:`kdn.ops.validate.ASYM_CHUNK` tokens, in log2 units (what fla's
     ``chunk_local_cumsum(g, scale=1/ln 2)`` gives); ``steep = -min_K g`` ``[B,T,H]``. No gradient: the gain's
-    backward takes the gate's (:class:`kdn.triton_ops._DiagonalKDN`)."""
+    backward takes the gate's (:class:`kdn.ops.triton.kdn._DiagonalKDN`)."""
     B, T, H, K = f.shape
     if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"A_log must be [{H}] and dt_bias [{H * K}] for f of shape {tuple(f.shape)}, got "

@@ -1,31 +1,32 @@
 """The front end shared by KDN and the delta-rule mixers (docs/math.md §5, KDA's parametrisation).
 
-Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate,
-and the sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding
-masks, packed sequences (``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the
-same operations run through fused Triton kernels, ours (in training the three short convs with the L2 norms of
-``q`` and ``k``, ``kdn.triton_conv``; the pre-norm residual add + RMSNorm, ``kdn.triton_norm``) and fla's (short
-conv and L2 norm with a decoding cache, KDA gate, gated RMSNorm), each one pass forward and one backward;
-``FLA_FUSED = False`` turns them off (the GPU tests compare both). Every projection is a :class:`Linear`: under
-autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
+Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate, and the
+sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding masks, packed sequences
+(``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the same operations run through fused
+Triton kernels, ours (in training the three short convs with the L2 norms of ``q`` and ``k``, :mod:`kdn.modules.conv`;
+the pre-norm residual add + RMSNorm, :mod:`kdn.modules.norm`) and fla's (short conv and L2 norm with a decoding
+cache, KDA gate, gated RMSNorm), each one pass forward and one backward; every module takes ``fused`` (default
+``True``), and ``fused=False`` runs the PyTorch code on CUDA too (the GPU tests compare both). Every projection is a
+:class:`Linear`: under autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
 
-Importing this module opts in to fla's Gluon short-convolution kernels (``FLA_CONV_GLUON=1`` unless already set):
-their backward recomputes the activation in registers instead of in a separate pass, which halves the convolutions'
-time in a 750M training step on an H200 (docs/performance.md, "Front end"). fla itself falls back to its Triton kernels
-where they do not apply (decoding caches, runs with ``torch.distributed`` initialised); ``FLA_CONV_GLUON=0`` opts out.
+fla's short convolution (the decoding prefill, and widths other than 4) dispatches to its Gluon kernels when the
+environment sets ``FLA_CONV_GLUON=1`` (fla's default is off; this package does not set it).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from kdn.ops.gate import kda_gate
+from kdn.ops.utils import fla_fused, upcast
+
+__all__ = ["kda_gate", "fla_fused", "upcast"]  # re-exported with the modules
 
 
 def inv_softplus(y: Tensor | float) -> Tensor:
@@ -34,49 +35,17 @@ def inv_softplus(y: Tensor | float) -> Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
-FLA_FUSED = True
 L2_EPS = 1e-12  # under the root of the L2 norm of q and k (fla's l2norm; the CPU path clamps the norm at it)
-os.environ.setdefault("FLA_CONV_GLUON", "1")
 
 
-@functools.cache
-def _fla_importable() -> bool:
-    try:
-        import fla.modules  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def fla_fused(x: Tensor) -> bool:
-    """Whether ``x`` goes through the fused kernels: CUDA, below float64, fla installed, ``FLA_FUSED`` on."""
-    return FLA_FUSED and x.is_cuda and x.dtype != torch.float64 and _fla_importable()
-
-
-def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
-    """KDA's log-retention ``g = -exp(A_log) softplus(f + dt_bias)`` in FP32 (float64 stays float64).
-
-    ``f: [B, T, H, K]``, ``A_log: [H]``, ``dt_bias: [H*K]``; returns ``g [B, T, H, K]``."""
-    H, K = f.shape[-2:]
-    if fla_fused(f):
-        from fla.ops.kda.gate import fused_kda_gate
-
-        return fused_kda_gate(f, A_log, dt_bias)
-    return -upcast(A_log).exp()[:, None] * F.softplus(upcast(f) + upcast(dt_bias).view(H, K))
-
-
-def l2_normalize(x: Tensor) -> Tensor:
-    """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype."""
-    if fla_fused(x):
+def l2_normalize(x: Tensor, fused: bool = True) -> Tensor:
+    """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype (fla's kernel on
+    CUDA when ``fused``)."""
+    if fla_fused(x, fused):
         from fla.modules.norm.l2norm import l2norm
 
         return l2norm(x, eps=L2_EPS)
     return F.normalize(upcast(x), dim=-1).to(x.dtype)
-
-
-def upcast(x: Tensor) -> Tensor:
-    """``x`` in at least FP32 (float64 stays float64)."""
-    return x if x.dtype == torch.float64 else x.float()
 
 
 def current_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
@@ -107,11 +76,12 @@ class ShortConv(nn.Conv1d):
     """Causal depthwise conv (width ``W``) + SiLU over ``[B, T, D]``; weights as fla's ``[D, 1, W]``.
 
     ``cache [B, D, W-1]`` holds the previous inputs for decoding; packed sequences never see across
-    their boundaries.
+    their boundaries. ``fused``: fla's kernel on CUDA.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 4) -> None:
+    def __init__(self, dim: int, kernel_size: int = 4, *, fused: bool = True) -> None:
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False, padding=0)
+        self.fused = fused
 
     def forward(  # type: ignore[override]
         self, x: Tensor, cache: Tensor | None = None, cu_seqlens: Tensor | None = None,
@@ -119,7 +89,7 @@ class ShortConv(nn.Conv1d):
     ) -> tuple[Tensor, Tensor | None]:
         B, T, D = x.shape
         W = self.kernel_size[0]
-        if cache is None and fla_fused(x):
+        if cache is None and fla_fused(x, self.fused):
             from fla.modules.causal_conv1d import causal_conv1d
 
             y, _ = causal_conv1d(x, self.weight[:, 0, :].to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
@@ -142,12 +112,12 @@ class ShortConv(nn.Conv1d):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension ``x [..., D]``, computed in at least FP32."""
+    """RMSNorm over the last dimension ``x [..., D]``, computed in at least FP32; ``fused``: fused kernels on CUDA."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, fused: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.fused = eps, fused
 
     def normed(self, x: Tensor) -> Tensor:
         """The normalised, weighted ``x`` in the compute dtype (not cast back)."""
@@ -155,7 +125,7 @@ class RMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if fla_fused(x):
+        if fla_fused(x, self.fused):
             from fla.modules.norm.layernorm import rms_norm
 
             return rms_norm(x, self.weight, None, eps=self.eps)
@@ -166,9 +136,9 @@ class RMSNorm(nn.Module):
         kept in at least FP32, and ``RMSNorm(residual')`` in ``x``'s dtype. ``x, residual: [..., D]``; returns
         ``(normed, residual')``. Under autocast ``x`` (a sublayer's output) is bf16, so the sublayers read bf16
         and the stream stays FP32; on CUDA the add and the norm are one fused pass each way
-        (:func:`kdn.triton_norm.add_rms_norm`)."""
-        if fla_fused(x):
-            from kdn.triton_norm import add_rms_norm
+        (:func:`kdn.modules.norm.add_rms_norm`)."""
+        if fla_fused(x, self.fused):
+            from kdn.modules.norm import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         res = upcast(x) if residual is None else residual + x
@@ -181,14 +151,14 @@ class GatedRMSNorm(RMSNorm):
     ``activation``: ``"sigmoid"`` (KDA, KDN) or ``"swish"`` (Gated DeltaNet's output gate).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid") -> None:
-        super().__init__(dim, eps)
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid", *, fused: bool = True) -> None:
+        super().__init__(dim, eps, fused=fused)
         if activation not in ("sigmoid", "swish"):
             raise ValueError(f"activation must be 'sigmoid' or 'swish', got {activation!r}")
         self.activation = activation
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
-        if fla_fused(x):
+        if fla_fused(x, self.fused):
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
             return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
@@ -310,12 +280,14 @@ class DeltaFrontEnd(nn.Module):
 
     Shapes: input ``x [B, T, d_model]``; ``q, k, g: [B, T, H, K]``; ``v: [B, T, H, V]``.
     ``alpha_param``: ``"kda"`` (``g = -exp(A_log) softplus(f(x) + dt_bias)``) or ``"sigmoid"``
-    (``g = logsigmoid(f(x) + bias)``, initialised to the same retention distribution).
+    (``g = logsigmoid(f(x) + bias)``, initialised to the same retention distribution). ``fused``: the fused CUDA
+    kernels (ours and fla's) for the convolutions, L2 norms, gate and norm; ``False``: PyTorch everywhere.
     """
 
     def __init__(
         self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1.0,
         conv_size: int = 4, alpha_param: str = "kda", norm_eps: float = 1e-5, gate: str = "channel",
+        fused: bool = True,
     ) -> None:
         super().__init__()
         if alpha_param not in ("kda", "sigmoid"):
@@ -324,14 +296,14 @@ class DeltaFrontEnd(nn.Module):
             raise ValueError(f"gate must be 'channel', 'head' or 'none', got {gate!r}")
         self.H, self.K = num_heads, head_dim
         self.V = int(head_dim * expand_v)
-        self.alpha_param, self.gate = alpha_param, gate
+        self.alpha_param, self.gate, self.fused = alpha_param, gate, fused
         key_dim, value_dim = self.H * self.K, self.H * self.V
         self.q_proj = Linear(hidden_size, key_dim, bias=False)
         self.k_proj = Linear(hidden_size, key_dim, bias=False)
         self.v_proj = Linear(hidden_size, value_dim, bias=False)
-        self.q_conv1d = ShortConv(key_dim, conv_size)
-        self.k_conv1d = ShortConv(key_dim, conv_size)
-        self.v_conv1d = ShortConv(value_dim, conv_size)
+        self.q_conv1d = ShortConv(key_dim, conv_size, fused=fused)
+        self.k_conv1d = ShortConv(key_dim, conv_size, fused=fused)
+        self.v_conv1d = ShortConv(value_dim, conv_size, fused=fused)
         if gate != "none":
             gate_dim = key_dim if gate == "channel" else self.H
             self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else Linear(
@@ -349,7 +321,7 @@ class DeltaFrontEnd(nn.Module):
                 self.gate_bias = nn.Parameter(torch.logit(alpha0))
                 self.gate_bias._no_weight_decay = True
         self.g_proj = low_rank(hidden_size, self.V, value_dim, bias=True)
-        self.o_norm = GatedRMSNorm(self.V, eps=norm_eps)
+        self.o_norm = GatedRMSNorm(self.V, eps=norm_eps, fused=fused)
         self.o_proj = Linear(value_dim, hidden_size, bias=False)
 
     def inputs(
@@ -363,7 +335,7 @@ class DeltaFrontEnd(nn.Module):
         low-rank) and the mixer's ``extra`` projections (``None`` skipped; :func:`finish` completes a low-rank one)
         to ``[B, T, width]``. The cache (``use_cache``) holds each stream's last inputs. On CUDA in training
         (no cache, width-4 convolutions), the convolutions read the joint projection and write its gradient in one
-        fused pass each way (:func:`kdn.triton_conv.front_conv`)."""
+        fused pass each way (:func:`kdn.modules.conv.front_conv`)."""
         layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
         if self.gate != "none":
             layers["f"] = input_stage(self.f_proj)
@@ -371,8 +343,8 @@ class DeltaFrontEnd(nn.Module):
             layers["g"] = input_stage(self.g_proj)
         layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
         y = linear(x, [m.weight for m in layers.values()])
-        if conv_state is None and not use_cache and self.q_conv1d.kernel_size[0] == 4 and fla_fused(y):
-            from kdn.triton_conv import front_conv
+        if conv_state is None and not use_cache and self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused):
+            from kdn.modules.conv import front_conv
 
             w = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
             q, k, v, rest = front_conv(y, w, self.H, self.K, self.V, L2_EPS, cu_seqlens)
@@ -385,7 +357,8 @@ class DeltaFrontEnd(nn.Module):
         k, ck = self.k_conv1d(p["k"], ck, cu_seqlens, use_cache)
         v, cv = self.v_conv1d(p["v"], cv, cu_seqlens, use_cache)
         B, T = q.shape[:2]
-        p.update(q=l2_normalize(q.view(B, T, self.H, self.K)), k=l2_normalize(k.view(B, T, self.H, self.K)),
+        p.update(q=l2_normalize(q.view(B, T, self.H, self.K), self.fused),
+                 k=l2_normalize(k.view(B, T, self.H, self.K), self.fused),
                  v=v.view(B, T, self.H, self.V))
         return p, ((cq, ck, cv) if use_cache else None)
 
@@ -402,7 +375,7 @@ class DeltaFrontEnd(nn.Module):
         (per head)."""
         kda = self.gate_input(p)
         if kda is not None:
-            return kda_gate(kda[0], *kda[1])
+            return kda_gate(kda[0], *kda[1], fused=self.fused)
         f = upcast(finish(self.f_proj, p["f"]))
         B, T = f.shape[:2]
         if self.alpha_param == "kda":

@@ -3,7 +3,8 @@
 Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``g = log(alpha): [B, T, H, K]``, ``r: [B, T, H]``.
 Diagonal ``omega: [B, T, H, K]``, Isotropic ``omega: [B, T, H]``. ``mu: [H]``.
 States: Diagonal ``(S [B,H,K,V], p [B,H,K])``; Isotropic ``(S, b [B,H])``; exact ``(S, P [B,H,K,K])``.
-Everything here runs in the dtype it is given; callers upcast.
+Everything here runs in the dtype it is given; callers upcast. Argument order, as every KDN entry point:
+the tensors ``q, k, v, g, omega, r``, then ``mu``, then the state.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ State = tuple[Tensor, Tensor]
 
 
 def diagonal_gain_step(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, p: Tensor, mu: Tensor
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p: Tensor
 ) -> tuple[Tensor, Tensor]:
     """One Diagonal gain step. ``k, g, omega, p: [B,H,K]``, ``r: [B,H]``, ``mu: [H]``.
 
@@ -28,7 +29,7 @@ def diagonal_gain_step(
 
 
 def isotropic_gain_step(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, b: Tensor, mu: Tensor
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b: Tensor
 ) -> tuple[Tensor, Tensor]:
     """One Isotropic gain step. ``k, g: [B,H,K]``, ``omega, r, b: [B,H]``, ``mu: [H]``.
 
@@ -53,21 +54,21 @@ def memory_step(
 
 
 def diagonal_kdn_step_ref(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, mu: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
 ) -> tuple[Tensor, State]:
     """One Diagonal KDN token: ``q, k, g, omega: [B,H,K]``, ``v: [B,H,V]``, ``r: [B,H]``."""
     S, p = state
-    kappa, p = diagonal_gain_step(k, g, omega, r, p, mu)
+    kappa, p = diagonal_gain_step(k, g, omega, r, mu, p)
     o, S = memory_step(q, k, kappa, v, g, S)
     return o, (S, p)
 
 
 def isotropic_kdn_step_ref(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, mu: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, state: State
 ) -> tuple[Tensor, State]:
     """One Isotropic KDN token: ``q, k, g: [B,H,K]``, ``v: [B,H,V]``, ``omega, r: [B,H]``."""
     S, b = state
-    beta, b = isotropic_gain_step(k, g, omega, r, b, mu)
+    beta, b = isotropic_gain_step(k, g, omega, r, mu, b)
     o, S = memory_step(q, k, beta[..., None] * k, v, g, S)
     return o, (S, b)
 
@@ -79,7 +80,7 @@ def diagonal_kdn_recurrent(
     out = []
     for t in range(q.shape[1]):
         o, state = diagonal_kdn_step_ref(
-            q[:, t], k[:, t], v[:, t], g[:, t], omega[:, t], r[:, t], state, mu
+            q[:, t], k[:, t], v[:, t], g[:, t], omega[:, t], r[:, t], mu, state
         )
         out.append(o)
     return torch.stack(out, 1), state
@@ -92,7 +93,7 @@ def isotropic_kdn_recurrent(
     out = []
     for t in range(q.shape[1]):
         o, state = isotropic_kdn_step_ref(
-            q[:, t], k[:, t], v[:, t], g[:, t], omega[:, t], r[:, t], state, mu
+            q[:, t], k[:, t], v[:, t], g[:, t], omega[:, t], r[:, t], mu, state
         )
         out.append(o)
     return torch.stack(out, 1), state
