@@ -32,7 +32,7 @@ _ABBREVIATIONS = frozenset(
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Haystack:
     """Filler text as words, with the word indices where sentences start.
 

@@ -116,7 +116,7 @@ def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, st
     """The context: `n_words` haystack words from `start`, each `(depth, needle)` at its sentence boundary.
 
     A window of S sentences (a partial first or last one counts) has boundaries b_0 = 0 < ... < b_S = n_words;
-    a needle at depth d goes before sentence int(S * d / 100), as in RULER.
+    a needle at depth d goes before sentence floor(S * d / 100), as in RULER.
     """
     s = hay.sentence_starts
     lo, hi = np.searchsorted(s, [start, start + n_words], side="left")
@@ -125,7 +125,7 @@ def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, st
         rel.insert(0, 0)
     bounds = rel + [n_words]
     n_sent = len(bounds) - 1
-    placed = sorted((bounds[int(n_sent * d / 100)], d, text) for d, text in needles)
+    placed = sorted((bounds[n_sent * d // 100], d, text) for d, text in needles)
     parts: list[str] = []
     prev = 0
     for offset, _, text in placed:
