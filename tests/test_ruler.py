@@ -152,6 +152,9 @@ def test_deterministic_across_calls_orders_and_cells(tok, kjv):
         head = build_samples(*c, 2, tokenizer=tok, haystack=kjv, seed=5, start=0)
         again[c] = head + tail
     assert again == first
+    # threads do not change the samples
+    assert build_samples(*cells[1], 6, tokenizer=tok, haystack=kjv, seed=5, workers=1) == first[cells[1]]
+    assert build_samples(*cells[1], 6, tokenizer=tok, haystack=kjv, seed=5, workers=3) == first[cells[1]]
     assert [s["index"] for s in first[cells[0]]] == list(range(6))
     # a fresh haystack object and tokenizer give the same samples
     assert build_samples(*cells[1], 6, tokenizer=load_tokenizer("mistral-v1"), haystack=load_haystack(None),
