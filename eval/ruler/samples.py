@@ -242,7 +242,11 @@ def _sample(task: str, task_id: int, spec: TaskSpec, hay: Haystack, length: int,
         key = f"{adjs[int(rng.integers(len(adjs)))]}-{nouns[int(rng.integers(len(nouns)))]}"
         if key not in keys:
             keys.append(key)
-    values = [_value(rng, spec.value) for _ in keys]
+    values: list[str] = []
+    while len(values) < spec.keys:  # distinct, so the queried value names one needle
+        value = _value(rng, spec.value)
+        if value not in values:
+            values.append(value)
     depths = [DEPTHS[int(i)] for i in rng.choice(len(DEPTHS), size=spec.keys, replace=False)]
     q = int(rng.integers(spec.keys))
     needles = [(d, NEEDLE.format(type_needle_v=spec.value, key=k, value=v)) for d, k, v in zip(depths, keys, values)]
