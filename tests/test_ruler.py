@@ -198,7 +198,7 @@ def test_haystack_files(tmp_path, tok):
 
 def test_bad_input_one_line_errors(tmp_path, tok, kjv):
     short = tmp_path / "short.txt"
-    short.write_text(" ".join(f"Word{i} here." for i in range(150)))
+    short.write_text(" ".join(f"Word{i} here." for i in range(100)))
     cases = [
         (dict(task="niah_single_9", length=1024), "unknown RULER task"),
         (dict(task="niah_single_2", length=1024, haystack=load_haystack(str(short))), "too short"),
