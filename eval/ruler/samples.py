@@ -282,8 +282,9 @@ def _sample(task: str, task_id: int, spec: TaskSpec, hay: Haystack, length: int,
     probe = min(_TOKENS_PER_WORD_PROBE, window)
     per_word = max(len(tokenizer.encode_batch([" ".join(hay.words[w0:w0 + probe])])[0]) / probe, 1e-3)
     guess = 1 + int((avail - first) / (per_word * INCREMENT))
-    if guess <= k_max:  # one secant step from the exact count at the first guess
-        guess += int(np.floor((avail - n_tokens(guess)) / (per_word * INCREMENT)))
+    if 1 < guess <= k_max:  # one secant step through the exact counts at 1 and at the first guess
+        slope = max((n_tokens(guess) - first) / (guess - 1), 1.0)
+        guess += int(np.floor((avail - n_tokens(guess)) / slope))
     k = _largest_fit(n_tokens, avail, k_max, guess)
     if k == k_max:
         raise ValueError(f"haystack {hay.source} is too short for {cell}: a window of {window} words of its "
