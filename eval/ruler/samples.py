@@ -235,6 +235,7 @@ def build_samples(task: str, length: int, n: int, *, tokenizer, haystack: Haysta
 
 def _sample(task: str, task_id: int, spec: TaskSpec, hay: Haystack, length: int, index: int, seed: int,
             max_new_tokens: int, tokenizer) -> dict:
+    """Sample `index` of the cell: draws (keys, values, depths, query, window), then fits the haystack size."""
     rng = np.random.default_rng([seed, task_id, length, index])
     adjs, nouns = key_words()
     keys: list[str] = []
