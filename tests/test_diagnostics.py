@@ -141,8 +141,9 @@ def test_mu_intervention_changes_only_mu_and_restores_it(run_dirs: dict[str, Pat
 
 def test_cli_writes_figures_and_tables(run_dirs: dict[str, Path], shards: Path, tmp_path: Path) -> None:
     out = tmp_path / "diag"
-    assert dg.main([*(str(p) for p in run_dirs.values()), "--shards", str(shards), "--n-seqs", "2", "--seq-len",
-                    "32", "--filter-seqs", "1", "--out", str(out), "--paper", "--at-init", "--device", "cpu"]) == 0
+    assert dg.main([str(run_dirs["kdn_diag"]), str(run_dirs["kda"]), "--shards", str(shards), "--n-seqs", "2",
+                    "--seq-len", "32", "--filter-seqs", "1", "--out", str(out), "--paper", "--at-init",
+                    "--device", "cpu"]) == 0
     for name in ("beta_eff.png", "beta_eff.pdf", "filter_kdn_diag.png", "filter_kda.png"):
         assert (out / name).stat().st_size > 1000, name
     means = (out / "beta_eff.md").read_text()

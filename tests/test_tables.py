@@ -261,6 +261,11 @@ def test_hydra_copies_and_results_without_config_are_handled(tmp_path: Path) -> 
     (run / "config.yaml").unlink()  # identity from the results' model block
     runs = find_runs(tmp_path)
     assert [r.name for r in runs] == ["a"] and runs[0].experiment.mixer == "kda"
+    b = write_run(tmp_path / "exp", "b", mixer="kdn_diag", ruler=ruler_values(50.0))
+    (b / "hf" / "eval").mkdir(parents=True)
+    (b / "eval" / "ruler.json").rename(b / "hf" / "eval" / "ruler.json")  # evaluated through its export
+    runs = find_runs(tmp_path / "exp")
+    assert [r.name for r in runs] == ["b"] and runs[0].experiment.mixer == "kdn_diag" and "ruler" in runs[0].results
 
 
 def test_figures_are_written_and_non_empty(runs_dir: Path, tmp_path: Path) -> None:
@@ -269,7 +274,7 @@ def test_figures_are_written_and_non_empty(runs_dir: Path, tmp_path: Path) -> No
             for i, m in enumerate(("kdn_diag", "kda")) for t in (2048, 4096, 8192)]
     rows.append({"mixer": "gdn", "T": 2048, "tokens_per_s": None, "error": "RuntimeError: kernels missing"})
     bench.write_text(json.dumps({"header": {"device": "test", "batch": 4, "d_model": 64}, "results": rows}))
-    with pytest.warns(UserWarning, match="gdn@2048: RuntimeError: kernels missing"):
+    with pytest.warns(UserWarning, match="gdn at T=2048: RuntimeError: kernels missing"):
         paths = throughput_figure(bench, tmp_path / "figs")
     assert sorted(p.suffix for p in paths) == [".pdf", ".png"]
     assert all(p.stat().st_size > 1000 for p in paths)

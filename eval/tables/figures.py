@@ -48,15 +48,16 @@ def read_throughput(path: str | Path) -> tuple[dict[str, Any], dict[str, list[tu
         raise ValueError(f"{path} is not a bench.mixer_throughput result ({type(e).__name__}: {e}); "
                          "write one with python -m bench.mixer_throughput") from None
     lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    failed = []
+    failed: dict[tuple[str, str], list[str]] = defaultdict(list)  # (mixer, error) -> lengths
     for r in results:
         tps = r.get("tokens_per_s")
         if tps is None:
-            failed.append(f"{r.get('mixer')}@{r.get('T')}: {str(r.get('error', 'no tokens_per_s'))[:80]}")
+            failed[(str(r.get("mixer")), str(r.get("error", "no tokens_per_s"))[:100])].append(str(r.get("T")))
         else:
             lines[r["mixer"]].append((int(r["T"]), float(tps)))
     if failed:
-        warnings.warn(f"{path}: {len(failed)} entries without a measurement: " + "; ".join(failed), stacklevel=2)
+        warnings.warn(f"{path}: not plotted (no measurement): " + "; ".join(
+            f"{m} at T={','.join(ts)}: {err}" for (m, err), ts in failed.items()), stacklevel=2)
     if not lines:
         raise ValueError(f"{path} has no measured entry; rerun python -m bench.mixer_throughput on a GPU")
     return header, {m: sorted(v) for m, v in lines.items()}

@@ -118,8 +118,15 @@ def _identity_from_result(res: dict[str, Any], path: Path) -> tuple[Experiment, 
 
 
 def load_run(path: Path) -> Run:
-    """A run from its directory (``config.yaml`` and/or ``eval/*.json``, ``metrics.jsonl`` if present)."""
-    results = {p.stem: read_result(p) for p in sorted((path / "eval").glob("*.json")) if p.stem in SUITES}
+    """A run from its directory (``config.yaml`` and/or ``eval/*.json``, ``metrics.jsonl`` if present). Results
+    written beside the export (``hf/eval/*.json``) count too; where both hold a suite, the run's own is used."""
+    results = {p.stem: read_result(p) for p in sorted((path / "hf" / "eval").glob("*.json")) if p.stem in SUITES}
+    for p in sorted((path / "eval").glob("*.json")):
+        if p.stem in SUITES:
+            if p.stem in results:
+                warnings.warn(f"{path}: both eval/{p.stem}.json and hf/eval/{p.stem}.json exist; using the first",
+                              stacklevel=2)
+            results[p.stem] = read_result(p)
     if (path / "config.yaml").is_file():
         exp, seed, data_seed = _identity_from_config(yaml.safe_load((path / "config.yaml").read_text()) or {},
                                                      path / "config.yaml")
@@ -144,6 +151,8 @@ def find_runs(root: str | Path) -> list[Run]:
     dirs = {p.parent for p in root.rglob("config.yaml")}
     dirs |= {p.parent.parent for p in root.rglob("eval/*.json") if p.stem in SUITES}
     dirs = {d for d in dirs if d.name != ".hydra"}  # Hydra's own copy of the config is not a run
+    # the results of a run's export (runs/<name>/hf/eval) belong to the run
+    dirs = {d.parent if d.name == "hf" and (d.parent / "config.yaml").is_file() else d for d in dirs}
     return [load_run(d) for d in sorted(dirs)]
 
 
