@@ -349,11 +349,14 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
         if label in report["models"]:
             label = f"{label} [{len(report['models'])}]"
         dev = next(model.parameters()).device
+        ids = probe_ids(shard_dir, n_seqs, seq_len, dev)
+        if int(ids.max()) >= model.config.vocab_size:
+            raise ValueError(f"{shard_dir} holds token ids up to {int(ids.max())} but {path} has a vocabulary of "
+                             f"{model.config.vocab_size}; pass --shards prepared with the model's tokenizer")
         b = probe_beta_eff(model, shard_dir, n_seqs=n_seqs, seq_len=seq_len)
         betas[label] = b
         summary = summarize(b)
-        ids = probe_ids(shard_dir, n_seqs, seq_len, dev)[:filter_seqs, :filter_len or seq_len]
-        stats = filter_stats(model, ids)
+        stats = filter_stats(model, ids[:filter_seqs, :filter_len or seq_len])
         layers = {str(i): {q: [_stats(h) for h in s[q]] for q in ("nis", "beta_eff", "unc", "r", "omega") if q in s}
                   for i, s in stats.items()}
         report["models"][label] = {"path": str(path), "mixer": model.config.mixer, "beta_eff": summary,

@@ -158,3 +158,28 @@ def test_cli_writes_figures_and_tables(run_dirs: dict[str, Path], shards: Path, 
         dg.main([str(run_dirs["kda"]), "--filter-seqs", "9", "--n-seqs", "2"])
     with pytest.raises(ValueError, match="neither a run directory"):
         dg.resolve_model(tmp_path)
+
+
+def test_shards_of_another_tokenizer_are_refused(shards: Path, tmp_path: Path) -> None:
+    model = models.build_model(models.model_config("toy", "kda", vocab_size=100))
+    model.save_pretrained(tmp_path / "small_vocab" / "hf")
+    load_tokenizer("mistral-v1").save_pretrained(tmp_path / "small_vocab" / "hf")
+    with pytest.raises(ValueError, match="vocabulary of 100; pass --shards prepared with the model's tokenizer"):
+        dg.run([str(tmp_path / "small_vocab")], tmp_path / "out", shards=str(shards), n_seqs=2, seq_len=32,
+               device="cpu")
+
+
+@pytest.mark.gpu
+def test_filter_loop_matches_the_cuda_layers(run_dirs: dict[str, Path], shards: Path) -> None:
+    from eval.harness import load_model
+
+    for mixer in ("kdn_diag", "kdn_iso", "kda"):
+        model, _ = load_model(dg.resolve_model(run_dirs[mixer]), device="cuda", dtype="float32")
+        ids = dg.probe_ids(shards, 2, 32, torch.device("cuda"))
+        with torch.no_grad():
+            ref = model(input_ids=ids, output_beta_eff=True).beta_eff
+        for i, s in dg.filter_stats(model, ids).items():
+            mine = torch.sort(s["beta_eff"].flatten()).values
+            theirs = torch.sort(ref[i].float().cpu().flatten()).values
+            assert rel(mine, theirs) < 1e-3, (mixer, i)
+            assert bool(torch.isfinite(s["nis"]).all()) and float(s["nis"].min()) > 0.0

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from omegaconf import OmegaConf
 
 from eval.tables import TABLES, SettingsMismatch, build_table, csv_text, find_runs, latex, markdown
 from eval.tables.__main__ import main
@@ -34,7 +34,7 @@ def write_run(root: Path, name: str, *, size: str = "750m", mixer: str = "kda", 
            "mixer": {"name": mixer, "mu": mu or ("dk" if kdn else None), "noise": noise or ("learned" if kdn else None),
                      "alpha_param": "kda" if kdn else None, "kwargs": {}},
            "backbone": {"pattern": pattern, "window": None}, "data": {"seed": data_seed, "seq_len": 4096}}
-    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    OmegaConf.save(OmegaConf.create(cfg), run / "config.yaml")
     model = {"run_dir": str(run), "mixer": mixer, "size": size, "pattern": pattern, "seed": seed}
     base_settings = {"max_length": 4096, "seed": 0, "tokenizer_sha256": "ab12"}
 
@@ -252,6 +252,22 @@ def test_data_seed_duplicates_and_bad_files_are_errors(tmp_path: Path) -> None:
         find_runs(tmp_path / "bad")
     with pytest.raises(ValueError, match="is not a directory"):
         find_runs(tmp_path / "nowhere")
+
+
+def test_identity_of_a_composed_training_config(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from eval.tables.runs import CONF_DIR, preset_identity
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["experiment=table4_mu_sqrt", "seed=3"])
+    run = tmp_path / "table4_mu_sqrt"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (found,) = find_runs(tmp_path)
+    assert found.experiment == preset_identity("table4_mu_sqrt") and found.seed == 3 and found.data_seed == 0
+    assert found.experiment != preset_identity("table4_mu_dk")
+    assert preset_identity("table4_mu_dk") == preset_identity("table1_750m_kdn_diag")  # one experiment, two tables
 
 
 def test_hydra_copies_and_results_without_config_are_handled(tmp_path: Path) -> None:

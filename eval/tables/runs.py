@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from omegaconf import OmegaConf
 
 SUITES = ("lm", "ruler", "retrieval", "ppl")
 SCHEMA = 1
@@ -63,6 +63,14 @@ class Run:
     @property
     def name(self) -> str:
         return self.path.name
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping as plain containers (interpolations left unresolved)."""
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a YAML mapping")
+    return data
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -128,7 +136,7 @@ def load_run(path: Path) -> Run:
                               stacklevel=2)
             results[p.stem] = read_result(p)
     if (path / "config.yaml").is_file():
-        exp, seed, data_seed = _identity_from_config(yaml.safe_load((path / "config.yaml").read_text()) or {},
+        exp, seed, data_seed = _identity_from_config(read_yaml(path / "config.yaml"),
                                                      path / "config.yaml")
     elif results:
         first = next(iter(results))
@@ -161,15 +169,15 @@ def preset_identity(preset: str, conf_dir: Path = CONF_DIR) -> Experiment:
     path = conf_dir / "experiment" / f"{preset}.yaml"
     if not path.is_file():
         raise ValueError(f"no experiment preset {path}; the table definitions and conf/experiment disagree")
-    cfg = yaml.safe_load(path.read_text()) or {}
+    cfg = read_yaml(path)
     picks: dict[str, str] = {}
     for item in cfg.get("defaults", []):
         if isinstance(item, dict):
             for k, v in item.items():
                 picks[k.replace("override ", "").strip("/ ")] = str(v)
-    mixer_conf = yaml.safe_load((conf_dir / "mixer" / f"{picks['mixer']}.yaml").read_text()) or {}
+    mixer_conf = read_yaml(conf_dir / "mixer" / f"{picks['mixer']}.yaml")
     mixer = {**mixer_conf, **(cfg.get("mixer") or {})}
-    backbone = yaml.safe_load((conf_dir / "backbone" / f"{picks['backbone']}.yaml").read_text()) or {}
-    size = yaml.safe_load((conf_dir / "model" / f"{picks['model']}.yaml").read_text())["size"]
+    backbone = read_yaml(conf_dir / "backbone" / f"{picks['backbone']}.yaml")
+    size = read_yaml(conf_dir / "model" / f"{picks['model']}.yaml")["size"]
     return Experiment.make(size, backbone["pattern"], mixer["name"], mixer.get("mu"), mixer.get("noise"),
                            mixer.get("alpha_param"))
