@@ -268,6 +268,13 @@ def test_identity_of_a_composed_training_config(tmp_path: Path) -> None:
     assert found.experiment == preset_identity("table4_mu_sqrt") and found.seed == 3 and found.data_seed == 0
     assert found.experiment != preset_identity("table4_mu_dk")
     assert preset_identity("table4_mu_dk") == preset_identity("table1_750m_kdn_diag")  # one experiment, two tables
+    full = write_run(tmp_path / "attn", "full", size="1.3b", mixer="attn", lm=lm_values(17.0, 50.0))
+    cfg = OmegaConf.load(full / "config.yaml")
+    cfg.mixer.kwargs = {"window": None, "backend": "fla"}  # full causal attention is another experiment
+    OmegaConf.save(cfg, full / "config.yaml")
+    (run,) = find_runs(tmp_path / "attn")
+    assert run.experiment.kwargs == (("window", "None"),)
+    assert run.experiment != preset_identity("table1_1.3b_transformer_swa")
 
 
 def test_hydra_copies_and_results_without_config_are_handled(tmp_path: Path) -> None:

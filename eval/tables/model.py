@@ -18,7 +18,8 @@ from eval.tables.specs import MEAN, RETRIEVAL_TASKS, RULER_CELLS, Column, GroupS
 
 MISSING = "—"
 # evaluation settings that change a number: results of one suite must agree on them within a table
-SETTING_KEYS = ("max_length", "samples_per_cell", "seed", "haystack.sha256", "tokenizer_sha256")
+SETTING_KEYS = ("max_length", "samples_per_cell", "seed", "haystack.sha256", "tokenizer_sha256", "max_new_tokens",
+                "tasks")
 
 
 class SettingsMismatch(ValueError):

@@ -23,7 +23,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 @dataclass(frozen=True)
 class Experiment:
-    """What a run trains, independent of its seed. KDN options are ``None`` for the other mixers."""
+    """What a run trains, independent of its seed. KDN options are ``None`` for the other mixers; ``kwargs``: the
+    mixer's other keyword arguments (``mixer.kwargs``, e.g. an attention window), without the kernel backend."""
 
     size: str
     pattern: str
@@ -31,20 +32,23 @@ class Experiment:
     mu: str | None = None
     noise: str | None = None
     alpha_param: str | None = None
+    kwargs: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def make(cls, size: str, pattern: str, mixer: str, mu: Any = None, noise: Any = None,
-             alpha_param: Any = None) -> Experiment:
+             alpha_param: Any = None, kwargs: dict[str, Any] | None = None) -> Experiment:
         """Normalised identity: KDN options filled with their defaults, dropped for other mixers."""
+        kw = tuple(sorted((str(k), str(v)) for k, v in (kwargs or {}).items() if k != "backend"))
         if mixer not in KDN_MIXERS:
-            return cls(str(size), str(pattern), str(mixer))
+            return cls(str(size), str(pattern), str(mixer), kwargs=kw)
         opts = {"mu": mu, "noise": noise, "alpha_param": alpha_param}
         opts = {k: str(v) if v is not None else KDN_DEFAULTS[k] for k, v in opts.items()}
-        return cls(str(size), str(pattern), str(mixer), **opts)
+        return cls(str(size), str(pattern), str(mixer), **opts, kwargs=kw)
 
     def describe(self) -> str:
-        """``size/pattern/mixer[ mu=.. noise=.. alpha_param=..]``."""
+        """``size/pattern/mixer[ mu=.. noise=.. alpha_param=..][ kwarg=..]``."""
         extra = "".join(f" {k}={getattr(self, k)}" for k in KDN_DEFAULTS if getattr(self, k) is not None)
+        extra += "".join(f" {k}={v}" for k, v in self.kwargs)
         return f"{self.size}/{self.pattern}/{self.mixer}{extra}"
 
 
@@ -108,7 +112,7 @@ def _identity_from_config(cfg: dict[str, Any], path: Path) -> tuple[Experiment, 
     try:
         mixer = cfg["mixer"]
         exp = Experiment.make(cfg["model"]["size"], cfg["backbone"]["pattern"], mixer["name"], mixer.get("mu"),
-                              mixer.get("noise"), mixer.get("alpha_param"))
+                              mixer.get("noise"), mixer.get("alpha_param"), mixer.get("kwargs"))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path} lacks {e}; it must be the config.yaml that train.py writes") from None
     return exp, int(cfg.get("seed", 0)), (cfg.get("data") or {}).get("seed")
@@ -180,4 +184,4 @@ def preset_identity(preset: str, conf_dir: Path = CONF_DIR) -> Experiment:
     backbone = read_yaml(conf_dir / "backbone" / f"{picks['backbone']}.yaml")
     size = read_yaml(conf_dir / "model" / f"{picks['model']}.yaml")["size"]
     return Experiment.make(size, backbone["pattern"], mixer["name"], mixer.get("mu"), mixer.get("noise"),
-                           mixer.get("alpha_param"))
+                           mixer.get("alpha_param"), mixer.get("kwargs"))
