@@ -327,10 +327,31 @@ def _table(header: list[str], rows: list[list[str]]) -> tuple[str, str]:
     return md, csv
 
 
+def _row(label: str, summary: dict[str, Any], paper: str | None) -> list[str]:
+    pooled = summary["pooled"]
+    return [label, f"{pooled['mean']:.3f}", *(f"{pooled[f'q{q}']:.3f}" for q in (10, 50, 90)),
+            f"{pooled['overwrite_share']:.3f}"] + ([paper] if paper is not None else [])
+
+
+def _clean(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by ``None`` (strict JSON)."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int = 8, seq_len: int = 2048,
         filter_seqs: int = 2, filter_len: int | None = None, intervene: str | None = None, paper: bool = False,
         at_init: bool = False, device: str = "auto") -> dict[str, Any]:
-    """Every diagnostic of the module docstring for ``models_``; returns what ``diagnostics.json`` holds."""
+    """Every diagnostic of the module docstring, written into ``out``.
+
+    Args: ``models_``: run or hf directories; ``shards``: token shards with a ``val`` split (``None``: the offline
+    default); ``n_seqs x seq_len``: the ``beta_eff`` probe; ``filter_seqs x filter_len``: its part that the float64
+    loop runs on; ``intervene``: the model of the mu sweep (``None``: the first KDN model).
+    Returns: what ``diagnostics.json`` holds (per model: ``beta_eff`` summary, per layer and head filter statistics;
+    ``mu_intervention``)."""
     from eval.harness import load_model
 
     out.mkdir(parents=True, exist_ok=True)
@@ -341,71 +362,57 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
     betas: dict[str, dict[int, Tensor]] = {}
     init: dict[str, dict[int, Tensor]] = {}
     mean_rows, nis_rows = [], []
-    loaded = []
+    target: tuple[str, torch.nn.Module] | None = None
     for spec in models_:
         path = resolve_model(spec)
         model, _ = load_model(path, device=device)
         label = model_label(path, model)
         if label in report["models"]:
             label = f"{label} [{len(report['models'])}]"
-        dev = next(model.parameters()).device
-        ids = probe_ids(shard_dir, n_seqs, seq_len, dev)
+        ids = probe_ids(shard_dir, n_seqs, seq_len, next(model.parameters()).device)
         if int(ids.max()) >= model.config.vocab_size:
             raise ValueError(f"{shard_dir} holds token ids up to {int(ids.max())} but {path} has a vocabulary of "
                              f"{model.config.vocab_size}; pass --shards prepared with the model's tokenizer")
-        b = probe_beta_eff(model, shard_dir, n_seqs=n_seqs, seq_len=seq_len)
-        betas[label] = b
-        summary = summarize(b)
+        betas[label] = probe_beta_eff(model, shard_dir, n_seqs=n_seqs, seq_len=seq_len)
+        summary = summarize(betas[label])
         stats = filter_stats(model, ids[:filter_seqs, :filter_len or seq_len])
-        layers = {str(i): {q: [_stats(h) for h in s[q]] for q in ("nis", "beta_eff", "unc", "r", "omega") if q in s}
-                  for i, s in stats.items()}
-        report["models"][label] = {"path": str(path), "mixer": model.config.mixer, "beta_eff": summary,
-                                   "filter": layers}
+        report["models"][label] = {"path": str(path), "mixer": model.config.mixer, "beta_eff": summary, "filter": {
+            str(i): {q: [_stats(h) for h in st[q]] for q in ("nis", "beta_eff", "unc", "r", "omega") if q in st}
+            for i, st in stats.items()}}
         pk = paper_key(model)
-        pooled = summary["pooled"]
-        mean_rows.append([label, f"{pooled['mean']:.3f}", *(f"{pooled[f'q{q}']:.3f}" for q in (10, 50, 90)),
-                          f"{pooled['overwrite_share']:.3f}"]
-                         + ([f"{BETA_EFF_MEANS[pk]:.3f}" if pk else "—"] if paper else []))
-        for i, s in stats.items():
-            heads = s["nis_mean"].tolist()
-            nis_rows.append([label, str(i), s["kind"], f"{float(s['nis'].mean()):.3g}",
-                             f"{float(s['nis'].median()):.3g}", f"{min(heads):.3g}", f"{max(heads):.3g}"])
+        mean_rows.append(_row(label, summary, (f"{BETA_EFF_MEANS[pk]:.3f}" if pk else "—") if paper else None))
+        for i, st in stats.items():
+            heads = st["nis_mean"].tolist()
+            nis_rows.append([label, str(i), st["kind"], f"{sum(heads) / len(heads):.3g}",
+                             f"{float(st['nis'].median()):.3g}", f"{min(heads):.3g}", f"{max(heads):.3g}"])
         if at_init:
-            b0 = probe_beta_eff(fresh_copy(model), shard_dir, n_seqs=n_seqs, seq_len=seq_len)
-            init[label] = b0
-            p0 = summarize(b0)["pooled"]
-            report["models"][label]["beta_eff_at_init"] = summarize(b0)
-            mean_rows.append([f"{label}, at initialisation", f"{p0['mean']:.3f}",
-                              *(f"{p0[f'q{q}']:.3f}" for q in (10, 50, 90)), f"{p0['overwrite_share']:.3f}"]
-                             + (["—"] if paper else []))
+            init[label] = probe_beta_eff(fresh_copy(model), shard_dir, n_seqs=n_seqs, seq_len=seq_len)
+            report["models"][label]["beta_eff_at_init"] = summarize(init[label])
+            mean_rows.append(_row(f"{label}, at initialisation", report["models"][label]["beta_eff_at_init"],
+                                  "—" if paper else None))
         if stats:
             filter_figure(stats, label, out / f"filter_{path.parent.name if path.name == 'hf' else path.name}.png")
-        loaded.append((spec, label, model))
-    density_figure(betas, out, init or None)
-    header = ["model", "mean", "q10", "q50", "q90", "share >= 0.9"] + (["paper mean"] if paper else [])
-    md, csv = _table(header, mean_rows)
-    write_atomic(out / "beta_eff.md", md)
-    write_atomic(out / "beta_eff.csv", csv)
-    md, csv = _table(["model", "layer", "rule", "mean NIS", "median NIS", "min head mean", "max head mean"], nis_rows)
-    write_atomic(out / "filter.md", md)
-    write_atomic(out / "filter.csv", csv)
-    target = next(((lab, m) for s, lab, m in loaded if (intervene is None and m.config.mixer.startswith("kdn"))
-                   or s == intervene), None)
+        if target is None and (spec == intervene or (intervene is None and model.config.mixer.startswith("kdn"))):
+            target = (label, model)
     if intervene is not None and target is None:
         raise ValueError(f"--intervene {intervene} is not one of the MODEL arguments")
+    density_figure(betas, out, init or None)
+    header = ["model", "mean", "q10", "q50", "q90", "share >= 0.9"] + (["paper mean"] if paper else [])
+    for name, table in (("beta_eff", _table(header, mean_rows)), ("filter", _table(
+            ["model", "layer", "rule", "mean NIS", "median NIS", "min head mean", "max head mean"], nis_rows))):
+        write_atomic(out / f"{name}.md", table[0])
+        write_atomic(out / f"{name}.csv", table[1])
     if target is not None:
         sweep = mu_intervention(target[1], shard_dir, n_seqs, seq_len)
         report["mu_intervention"] = {"model": target[0], "mean_beta_eff": sweep}
         rows = [[c, f"{v:.3f}"] + ([f"{MU_INTERVENTION[c]:.3f}"] if paper else []) for c, v in sweep.items()]
         md, csv = _table(["mu", "mean beta_eff"] + (["paper"] if paper else []), rows)
-        write_atomic(out / "mu_intervention.md", f"Weights of {target[0]}, mu changed in every layer.\n\n{md}")
+        note = (f"Weights of {target[0]}, mu changed in every layer, on the probe above ({n_seqs} x {seq_len} "
+                "tokens; the paper's sweep ran on separate 4096-token sequences, so compare directions, not levels).")
+        write_atomic(out / "mu_intervention.md", f"{note}\n\n{md}")
         write_atomic(out / "mu_intervention.csv", csv)
-    write_atomic(out / "diagnostics.json", json.dumps(report, indent=1, default=_finite) + "\n")
+    write_atomic(out / "diagnostics.json", json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
     return report
-
-
-def _finite(x: Any) -> Any:
-    return x if not isinstance(x, float) or math.isfinite(x) else None
 
 
 def main(argv: list[str] | None = None) -> int:
