@@ -219,9 +219,13 @@ def _paper_row(spec: TableSpec, row: RowSpec) -> Row | None:
 
 
 def build_table(spec: TableSpec, runs: list[Run], *, paper: bool = False, diffs: bool = True) -> Table:
-    """The table model of ``spec`` from ``runs`` (all runs found; those of other experiments are ignored).
+    """The table model of ``spec`` from ``runs``.
 
-    Raises :class:`SettingsMismatch` when the results it uses disagree on an evaluation setting."""
+    Args: ``runs``: every run found (those of experiments the table does not show are ignored); ``paper``: add the
+    published numbers as reference rows; ``diffs``: add each row's paired difference against its group's reference.
+    Returns: the :class:`Table` (its ``missing`` lists every empty cell with the run or preset that would fill it).
+    Raises: :class:`SettingsMismatch` when the results it uses disagree on an evaluation setting or data seed;
+    ``ValueError`` for two runs of one experiment with the same seed."""
     identities = {p: preset_identity(p) for g in spec.groups for r in g.rows for p in r.presets}
     wanted = set(identities.values())
     mine = [r for r in runs if r.experiment in wanted]

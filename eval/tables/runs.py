@@ -156,7 +156,12 @@ def load_run(path: Path) -> Run:
 
 
 def find_runs(root: str | Path) -> list[Run]:
-    """Every run under ``root`` (a directory with ``config.yaml`` or ``eval/<suite>.json``), sorted by path."""
+    """Every run under ``root``, sorted by path.
+
+    Args: ``root``: a folder holding run directories at any depth (a run: ``config.yaml`` and/or
+    ``eval/<suite>.json``; results under ``<run>/hf/eval`` belong to ``<run>``).
+    Returns: one :class:`Run` per directory. Raises ``ValueError`` for a results file of another schema or a
+    corrupt line inside ``metrics.jsonl`` (a torn last line is skipped with a warning)."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the folder that holds the run directories (e.g. runs/)")
