@@ -44,6 +44,7 @@ def markdown(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+WIDE = 9  # tables with more columns are scaled to the text width
 LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "#": r"\#", "_": r"\_", "$": r"\$",
                  "{": r"\{", "}": r"\}"}
 LATEX_SYMBOLS = {"±": r"$\pm$", "—": "--", "Δ": r"$\Delta$"}
@@ -60,9 +61,12 @@ def latex_text(s: str) -> str:
 def latex(table: Table) -> str:
     """A booktabs ``tabular`` in a ``table`` float; ``\\midrule`` between groups, bold best cells."""
     n = len(table.columns)
-    lines = [r"\begin{table}[t]", r"\centering", r"\small",
+    wide = n > WIDE
+    lines = [r"% needs \usepackage{booktabs}" + (r" and \usepackage{graphicx}" if wide else ""),
+             r"\begin{table}[t]", r"\centering", r"\small",
              rf"\caption{{{latex_text(table.spec.title)}. {latex_text(_caption(table))}}}",
-             rf"\label{{tab:{table.spec.id}}}", r"\begin{tabular}{l" + "r" * n + "}", r"\toprule",
+             rf"\label{{tab:{table.spec.id}}}", *([r"\resizebox{\linewidth}{!}{%"] if wide else []),
+             r"\begin{tabular}{l" + "r" * n + "}", r"\toprule",
              " & ".join(["Model", *(latex_text(c.header) for c in table.columns)]) + r" \\"]
     group = None
     for g, label, _, cells in grid(table):
@@ -71,7 +75,7 @@ def latex(table: Table) -> str:
             group = g
         texts = [rf"\textbf{{{latex_text(t)}}}" if b else latex_text(t) for t, b in cells]
         lines.append(" & ".join([latex_text(label), *texts]) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    lines += [r"\bottomrule", r"\end{tabular}", *(["}"] if wide else []), r"\end{table}"]
     return "\n".join(lines) + "\n"
 
 

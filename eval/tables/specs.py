@@ -113,7 +113,8 @@ TABLES: dict[str, TableSpec] = {t.id: t for t in (
         GroupSpec("1.3B / 100B tokens, hybrid (2K SWA)", tuple(
             RowSpec(f"{label} + SWA", (f"hybrid_1.3b_{mixer}",)) for label, mixer, _ in _T3_MIXERS),
             "hybrid_1.3b_kda"),
-    ), "Mean: equal-weight mean of the 14 cells (the paper reports none; its row is a recomputation)."),
+    ), "Mean: equal-weight mean of the 14 cells (the paper prints none; its rows' means are recomputed from "
+       "its cells)."),
     TableSpec("table3", "Table 3: real-world retrieval, cloze format, inputs truncated to 2K tokens (accuracy %)",
               RETRIEVAL_COLUMNS, (
                   GroupSpec("1.3B / 100B tokens", tuple(
