@@ -131,3 +131,27 @@ def test_size_table_prints_targets_and_the_released_configs(capsys: pytest.Captu
     for name, theirs in (("gdn2_1.3B", "6208"), ("iso_kdn_1.3B", "7208"), ("diag_kdn_1.3B", "7128")):
         assert lines[name][2] == theirs
         assert lines[name][5] == "+0"  # ours at their FFN width: the released count
+
+
+@pytest.mark.parametrize("pattern", ["recurrent", "hybrid_swa"])
+def test_gdn2_with_its_own_heads_trains_and_decodes_from_its_cache(pattern: str) -> None:
+    from models import build_model
+
+    torch.manual_seed(0)
+    cfg = model_config("toy", "gdn2", pattern, vocab_size=97, mixer_kwargs={"num_heads": 3,
+                                                                            "output_gate": "swish_low_rank"})
+    model = build_model(cfg).double().eval()
+    assert model.model.layers[0].mixer.front.q_proj.out_features == 3 * cfg.head_dim
+    x = torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :13], use_cache=True)
+        steps = [out.logits]
+        for t in range(13, 21):
+            out = model(x[:, t:t + 1], past_key_values=out.recurrent_cache, use_cache=True)
+            steps.append(out.logits)
+    decoded = torch.cat(steps, 1)
+    assert ((decoded - full).norm() / full.norm()).item() < 1e-10
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert all(p.grad is not None and p.grad.norm() > 0 for p in model.parameters())
