@@ -155,3 +155,38 @@ def test_gdn2_with_its_own_heads_trains_and_decodes_from_its_cache(pattern: str)
     model.train()
     model(x, labels=x).loss.backward()
     assert all(p.grad is not None and p.grad.norm() > 0 for p in model.parameters())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+def test_gdn2_authors_layout_fla_path_matches_torch_path_and_fla_layer_on_cuda() -> None:
+    """The authors' GDN-2 layer on fla's kernels: against our PyTorch path (outputs and gradients) and against fla's
+    ``GatedDeltaNet2`` at its default 16 heads with its output norm gated by swish, as the authors' layer gates it."""
+    from fla.layers import GatedDeltaNet2
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    d = 512
+    layer = DELTA_MIXERS["gdn2"](d, GDN2_AUTHORS_LAYOUT["num_heads"], 64, layer_idx=0,
+                                 output_gate=GDN2_AUTHORS_LAYOUT["output_gate"]).to(cuda)
+    x = torch.randn(2, 200, d, device=cuda)
+    w = torch.randn(2, 200, d, device=cuda)
+    runs = {}
+    for backend in ("torch", "fla"):
+        layer.backend = backend
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        o = layer(xi)[0]
+        (o * w).sum().backward()
+        runs[backend] = (o.detach(), [xi.grad] + [p.grad.clone() for p in layer.parameters()])
+    assert _rel(runs["fla"][0], runs["torch"][0]) < 5e-3
+    for g_fla, g_torch in zip(runs["fla"][1], runs["torch"][1]):
+        assert _rel(g_fla, g_torch) < 1e-2
+    theirs = GatedDeltaNet2(hidden_size=d, head_dim=64).to(cuda)  # fla's default num_heads = 16
+    theirs.load_state_dict(fla_state_dict_map("gdn2", layer.state_dict()))
+    theirs.o_norm.activation = "swish"
+    with torch.no_grad():
+        assert _rel(theirs(x[:, :128])[0], layer(x[:, :128])[0]) < 5e-3
