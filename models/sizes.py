@@ -167,8 +167,8 @@ def solve_ffn_width(cfg: KDNConfig, target: int, tolerance: float = TOLERANCE) -
 
 
 def paper_pattern(pattern: str, num_layers: int) -> str | None:
-    """``"recurrent"`` or ``"hybrid_swa"`` when ``pattern`` expands to that layout over ``num_layers``; else ``None``.
-    """
+    """The named layout (``"recurrent"``, ``"hybrid_swa"``) that ``pattern`` expands to over ``num_layers``, or
+    ``None``."""
     codes = layer_pattern(pattern, num_layers)
     return next((name for name in ("recurrent", "hybrid_swa") if codes == layer_pattern(name, num_layers)), None)
 
