@@ -109,6 +109,17 @@ def test_gdn2_authors_layout_is_fla_layer_at_its_default_heads() -> None:
         model_config("toy", "kda", mixer_kwargs={"num_heads": 4})
 
 
+
+def test_gdn2_presets_use_the_authors_layout() -> None:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    presets = sorted((Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*_gdn2.yaml"))
+    assert [p.stem for p in presets] == ["hybrid_1.3b_gdn2", "table2_1.3b_gdn2", "table2_750m_gdn2"]
+    for p in presets:
+        assert OmegaConf.to_container(OmegaConf.load(p).mixer.kwargs) == GDN2_AUTHORS_LAYOUT, p.name
+
 def test_gdn2_swish_low_rank_gate() -> None:
     """The authors' output block: fla's low-rank gate with bias, its RMSNorm gated by swish instead of sigmoid."""
     torch.manual_seed(0)
