@@ -5,8 +5,9 @@ Each mixer has exactly the parameters of fla's layer of the same name (``fla.lay
 model's ``num_heads x head_dim`` (so every delta mixer carries the same ``H x K x V`` memory as KDN).
 Projections, short convolutions, the retention gate and the output block come from
 :class:`kdn.modules.DeltaFrontEnd`; only the output block follows each fla layer (``output_gate``):
-``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet) or
-``"none"`` (plain RMSNorm: DeltaNet).
+``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet),
+``"swish_low_rank"`` (the low-rank gate with bias, swish-activated: the GDN-2 layer of the paper's authors' release,
+whose other parameters are fla's ``GatedDeltaNet2``'s) or ``"none"`` (plain RMSNorm: DeltaNet).
 
 Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
 ``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.chunk.memory_chunk` scans on any device
@@ -38,7 +39,7 @@ from models.layers.common import (
 if TYPE_CHECKING:
     from kdn.ops.triton.safe_gate import SafeGate
 
-OUTPUT_GATES = ("sigmoid", "swish", "none")
+OUTPUT_GATES = ("sigmoid", "swish", "swish_low_rank", "none")
 BACKENDS = ("torch", "fla")
 
 
@@ -57,6 +58,8 @@ class FrontEnd(DeltaFrontEnd):
         if output_gate == "swish":
             self.g_proj = Linear(hidden_size, self.H * self.V, bias=False)
             self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
+        elif output_gate == "swish_low_rank":
+            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
         elif output_gate == "none":
             del self.g_proj
             self.o_norm = RMSNorm(self.V, norm_eps, fused=fused)
@@ -64,7 +67,7 @@ class FrontEnd(DeltaFrontEnd):
     def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
         """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``; ``p``:
         the projections of the layer input (``DeltaFrontEnd.inputs``)."""
-        if self.output_gate == "sigmoid":
+        if self.output_gate in ("sigmoid", "swish_low_rank"):
             return super().output(o, p)
         B, T = o.shape[:2]
         if self.output_gate == "swish":
