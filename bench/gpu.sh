@@ -1,13 +1,14 @@
 #!/bin/bash
-# GPU work on a lent H200 (the `device` tool): several stages per call, one log and the JSON under $OUT.
-#   bash bench/device.sh kernels throughput profile train100m throughput750m
-# Stages (each under its own time limit, <STAGE>_S or STAGE_S seconds, default 240, so that later stages and the
-# autotune tarball still run when one stage is slow; no stage runs past DEVICE_S seconds from the start, default
-# 560, so that the tarball is written inside the device tool's 600 s; a stage that ignores SIGTERM, as train.py
-# does to checkpoint at the next step, is killed KILL_S (15) seconds later):
+# GPU checks and benchmarks in time-limited stages on any CUDA machine; one log and the results under $OUT.
+#   bash bench/gpu.sh kernels throughput profile train100m throughput750m
+# Each stage runs under its own time limit (<STAGE>_S or STAGE_S seconds, default 240), so that a slow stage
+# leaves time for the ones after it; no stage runs past GPU_S seconds from the start (default 560), so that the
+# autotune tarball is always written; a stage that ignores SIGTERM (train.py does, to checkpoint at the next
+# step) is killed KILL_S (15) seconds after its limit.
+# Stages:
 #   kernels        gpu-marked tests (KDN_TESTS: files, default the kdn and mixer GPU tests; KDN_K: a -k expression),
 #                  accuracy rows -> $OUT/accuracy.jsonl; `kernels=EXPR` takes EXPR as its -k expression instead
-#                  (several kernels stages per call; each one's limit is KERNELS_S); KDN_PYTEST_ARGS: extra pytest
+#                  (several kernels stages per run; each one's limit is KERNELS_S); KDN_PYTEST_ARGS: extra pytest
 #                  options, default "-n 10" (pytest-xdist: the tests run, and their kernels compile, in 10 processes
 #                  at once; first-call compilation bounds these runs); KDN_PYTEST_ARGS= runs them in one process
 #   throughput     bench.mixer_throughput (BENCH_ARGS, default: kdn_diag kdn_iso kda at T = 8K and 32K);
@@ -18,8 +19,7 @@
 #                  4096 x 8); `profile_step=ARGS` takes ARGS; JSON -> $OUT/profile_step_<n>.json (n-th such stage)
 #   train100m      slurm/gpu_checks.sh 100m (~100M KDN, 500 steps); summary -> $OUT/train100m.json
 #   throughput750m slurm/gpu_checks.sh throughput (750M kdn_diag / kdn_iso / kda; `throughput750m=kdn_diag,kda`
-#                  runs those); summary, metrics and the
-#                  profiles of steps 21-22 (summaries and traces) -> $OUT
+#                  runs those); summary, metrics and the profiles of steps 21-22 (summaries and traces) -> $OUT
 #   throughput750m_paper  the same at the paper's 0.5M-token batch (slurm/gpu_checks.sh throughput_paper; default
 #                  kdn_diag,kda; `throughput750m_paper=MIXERS`); files named throughput750m_paper*
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
@@ -34,23 +34,23 @@
 #                  compile their share of every autotune configuration, so that a later stage running the same
 #                  kernels only times them (e.g. "warm=bench.mixer_throughput --mixers deltanet --repeats 1
 #                  --out /tmp/warm.json")
-# The device image lacks fla: carry its wheels in .whl/, or the folder WHEELS names (`pip download --no-deps
-# flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`). bench/triton_cache/*.tgz holds Triton autotune
-# results for that stack; restoring them skips most first-call autotuning (several minutes per fla op otherwise).
-# The new results come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ
-# is set). Setting up the wheels and the cache: bench/device_env.sh.
-# bench/device_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
-# first (DEVICE_PREPARED=1) and writes each log to LOG.
+# Set-up (bench/gpu_env.sh): wheels in .whl/ (or the folder WHEELS names) are installed first, for an image
+# without fla (`pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`); the Triton
+# autotune results in bench/triton_cache/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
+# autotuning (several minutes per fla op otherwise) on the stack they were made on. The run's autotune results
+# come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ is set).
+# bench/gpu_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
+# first (GPU_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
 START=$SECONDS
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/device}
-LOG=${LOG:-$OUT/device.log}
+OUT=${OUT:-runs/gpu}
+LOG=${LOG:-$OUT/gpu.log}
 mkdir -p "$OUT"
-# shellcheck source=bench/device_env.sh
-. bench/device_env.sh
+# shellcheck source=bench/gpu_env.sh
+. bench/gpu_env.sh
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
-device_prepare || exit 1
+gpu_prepare || exit 1
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -66,9 +66,9 @@ run_stage() {  # name, command...; the limit is $<NAME>_S (e.g. KERNELS_S) or $S
   local base=${name%% *}
   local var; var="$(echo "${base%%=*}" | tr '[:lower:]' '[:upper:]')_S"
   local limit=${!var:-${STAGE_S:-240}}
-  local left=$(( ${DEVICE_S:-560} - (SECONDS - START) - ${KILL_S:-15} - 5 ))
+  local left=$(( ${GPU_S:-560} - (SECONDS - START) - ${KILL_S:-15} - 5 ))
   if [ "$left" -lt 10 ]; then
-    echo "=== $name skipped: DEVICE_S reached" | tee -a "$LOG"
+    echo "=== $name skipped: GPU_S reached" | tee -a "$LOG"
     rc=124
     return
   fi
