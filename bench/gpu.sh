@@ -1,5 +1,6 @@
 #!/bin/bash
-# GPU checks and benchmarks in time-limited stages on any CUDA machine; one log and the results under $OUT.
+# GPU checks and benchmarks in time-limited stages on any CUDA machine; one log and the results under $OUT. The log
+# starts with the provenance that docs/results.md asks for: date, GPU, driver, torch, CUDA, Triton, fla, commit.
 #   bash bench/gpu.sh kernels throughput profile train100m throughput750m
 # Each stage runs under its own time limit (<STAGE>_S or STAGE_S seconds, default 240), so that a slow stage
 # leaves time for the ones after it; no stage runs past GPU_S seconds from the start (default 560), so that the
@@ -54,7 +55,8 @@ gpu_prepare || exit 1
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', fla.__version__)"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo 'not recorded (no git checkout)')$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"
 } 2>&1 | grep -v Warn | tee -a "$LOG"
 rc=0
 stage_arg() {  # stage, name: what follows "name=" in the stage, or nothing
