@@ -220,7 +220,7 @@ def report(rows: list[dict]) -> None:
 
 def merge(paths: list[Path], out: Path) -> None:
     """Join the results of sweeps that ran at the same time on GPUs of one machine (e.g. through
-    bench/device_pair.sh) into one file at ``out`` (+ ``.png``): the first file's header, with every header
+    bench/gpu_pair.sh) into one file at ``out`` (+ ``.png``): the first file's header, with every header
     under ``"merged_from"``; rows ordered by T, then by the order in which the mixers first appear."""
     runs = [json.loads(p.read_text()) for p in paths]
     rows = [r for run in runs for r in run["results"]]

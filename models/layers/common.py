@@ -1,4 +1,4 @@
-"""Helpers shared by the mixers: padding masks, packed sequences, norms.
+"""Shared by the mixers: padding masks, packed sequences, norms.
 
 Conventions (all mixers): ``hidden_states [B, T, d_model]``; ``attention_mask [B, T']`` with 1 for
 tokens and 0 for padding, of which the last ``T`` columns describe the current tokens (Hugging Face
