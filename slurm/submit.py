@@ -1,0 +1,156 @@
+"""Check, render, freeze and submit one job.
+
+At first submission the composed training config, the git commit and the rendered batch script are frozen into
+``<run_dir>/submit/``; a later submission of the same run (a resubmit after a failure, or the same sweep command
+again) must compose to the same config, or it is refused with the differing keys unless ``force=true``.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from slurm.cluster import ClusterConfig
+from slurm.sweeps import ROOT, Job, SweepError, is_finished
+
+PAPER_VOCAB = 32_000  # the FLOPs estimate of the timeout check assumes the paper's vocabulary
+
+
+@dataclass
+class Plan:
+    """A checked job, ready to submit."""
+
+    job: Job
+    script: str
+    config: dict | None  # the composed training config (None for evaluation jobs)
+    total_steps: int | None
+    skip: str | None  # why the job is not submitted (finished), or None
+
+
+def compose_train(overrides: tuple[str, ...]) -> tuple[dict, object]:
+    """``(resolved dict, validated TrainConfig)`` of train.py's config with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import ConfigError, load_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=list(overrides))
+            return OmegaConf.to_container(cfg, resolve=True), load_config(cfg)
+        except ConfigError:
+            raise
+        except Exception as e:  # Hydra's override errors: the first line names the key
+            raise SweepError(str(e).splitlines()[0]) from e
+
+
+def check_budget(job: Job, cfg: object, cluster: ClusterConfig) -> int:
+    """Total optimiser steps for the cluster's world size; ``SweepError`` if the batch does not split over it or
+    if a job's time limit is shorter than one checkpoint interval at ``cluster.assumed_mfu``."""
+    from models import count_flops_per_token
+    from trainer.config import ConfigError, build_model_config, derive_budget
+
+    try:
+        budget = derive_budget(cfg, world_size=cluster.world_size)
+    except ConfigError as e:
+        raise SweepError(f"{job.name}: {e} (world size {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs)") from e
+    flops = count_flops_per_token(build_model_config(cfg, PAPER_VOCAB), cfg.data.seq_len) * budget.tokens_per_step
+    step_s = flops / (cluster.world_size * cluster.peak_tflops_per_gpu * 1e12 * cluster.assumed_mfu)
+    every = cfg.trainer.ckpt_every if cfg.trainer.ckpt_every > 0 else budget.total_steps
+    interval_min = every * step_s / 60
+    usable_min = cluster.timeout_min - cluster.signal_delay_s / 60
+    if interval_min > usable_min:
+        raise SweepError(
+            f"{job.name}: a checkpoint every {every} steps takes about {interval_min:.0f} min at "
+            f"{cluster.assumed_mfu:.0%} MFU on {cluster.world_size} GPUs, longer than the {cluster.timeout_min}-min "
+            "limit: lower trainer.ckpt_every or raise cluster.timeout_min")
+    return budget.total_steps
+
+
+def render(job: Job, cluster: ClusterConfig) -> str:
+    """The batch script of ``job``: its resources, then ``slurm/requeue.sh`` running the job's command."""
+    train = job.kind == "train"
+    nodes, gpus = (cluster.nodes, cluster.gpus_per_node) if train else (1, cluster.eval_gpus)
+    minutes = cluster.timeout_min if train else cluster.eval_timeout_min
+    lines = ["#!/bin/bash", f"# {job.kind} job {job.name} (sweep {job.sweep}), rendered by python -m slurm.sweep",
+             f"#SBATCH --job-name={job.name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --gpus-per-node={gpus}", f"#SBATCH --cpus-per-task={cluster.cpus_per_task}",
+             f"#SBATCH --mem={cluster.mem}", f"#SBATCH --time={minutes}",
+             f"#SBATCH --signal=USR1@{cluster.signal_delay_s}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+             f"#SBATCH --output={job.run_dir.resolve()}/submit/{'eval' if not train else 'train'}-%j.out"]
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(cluster, key):
+            lines.append(f"#SBATCH --{key}={getattr(cluster, key)}")
+    if cluster.exclusive and train:
+        lines.append("#SBATCH --exclusive")
+    lines += ["set -uo pipefail", f"cd {shlex.quote(str(ROOT))}", f"export KDN_MAX_REQUEUES={cluster.max_requeues}",
+              f"exec bash slurm/requeue.sh {shlex.join(job.command())}", ""]
+    return "\n".join(lines)
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
+    """Check ``job`` against the cluster and against what its run directory froze at first submission."""
+    if job.kind == "eval":
+        return Plan(job, render(job, cluster), None, None, None)
+    config, cfg = compose_train(job.overrides)
+    total = check_budget(job, cfg, cluster)
+    frozen = job.run_dir / "submit" / "config.json"
+    if frozen.is_file() and not force:
+        diff = _differences(json.loads(frozen.read_text()), config)
+        if diff:
+            raise SweepError(f"{job.name}: {job.run_dir} was submitted with another config ({'; '.join(diff[:6])}"
+                             f"{'; ...' if len(diff) > 6 else ''}); use a new sweep name or force=true")
+    skip = "finished" if is_finished(job.run_dir) else None
+    return Plan(job, render(job, cluster), config, total, skip)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def submit(p: Plan) -> str:
+    """Freeze the job into ``<run_dir>/submit/`` and ``sbatch`` it; returns the job id."""
+    out = p.job.run_dir / "submit"
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / f"{p.job.kind}.sbatch"
+    _write(script, p.script)
+    if p.config is not None:
+        _write(out / "config.json", json.dumps(p.config, indent=1, sort_keys=True))
+        _write(out / "job.json", json.dumps({"sweep": p.job.sweep, "experiment": p.job.experiment,
+                                              "seed": p.job.seed, "overrides": list(p.job.overrides),
+                                              "total_steps": p.total_steps, "git_commit": git_commit()}, indent=1))
+    try:
+        res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise SweepError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run") from e
+    if res.returncode != 0:
+        raise SweepError(f"{p.job.name}: sbatch failed: {res.stderr.strip().splitlines()[-1:]}")
+    job_id = res.stdout.strip().split(";")[0]
+    with open(out / "jobs.jsonl", "a") as f:
+        f.write(json.dumps({"job_id": job_id, "kind": p.job.kind}) + "\n")
+    return job_id

@@ -1,0 +1,234 @@
+"""Named SLURM sweeps: expansion, rendered scripts, submission through a fake sbatch, the multi-node launch path
+(two "nodes" on localhost with gloo against one process) and a requeue that resumes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm import expand, expand_nodelist, load_cluster, plan, rendezvous
+from slurm.status import main as status_main
+from slurm.sweep import main as sweep_main
+from slurm.sweeps import Job, SweepError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ["model=toy", "logging=quiet", "data.seq_len=64", "trainer.micro_batch_size=2",
+       "trainer.global_batch_tokens=256", "trainer.eval_batches=2", "trainer.eval_every=0", "trainer.export=false"]
+COUNTS = {"table1_750m": 4, "table1_1.3b": 8, "table2_extra": 9, "table4_mu": 5, "table5_noise": 3}
+
+
+def fake_tools(tmp: Path) -> Path:
+    """sbatch, squeue, sacct, srun and scontrol stand-ins that record their calls under ``tmp``."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "sbatch": f'echo "$@" >> {tmp}/sbatch.log; n=$(wc -l < {tmp}/sbatch.log); echo "$((1000 + n));cluster"',
+        "squeue": 'case "$3" in 1006) echo RUNNING;; esac',
+        "sacct": 'case "$4" in 1007) echo FAILED;; esac',
+        "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+        "scontrol": f'echo "$@" >> {tmp}/scontrol.log',
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+@pytest.fixture
+def cluster_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PATH", f"{fake_tools(tmp_path)}:{os.environ['PATH']}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,n", sorted(COUNTS.items()))
+def test_every_sweep_expands_to_its_runs_and_seeds_multiply(tmp_path: Path, name: str, n: int) -> None:
+    jobs = expand(name, seeds=1, runs_root=tmp_path, overrides=["trainer.max_steps=9"])
+    assert len(jobs) == n and len({j.run_dir for j in jobs}) == n
+    for j in jobs:
+        assert j.overrides[0] == f"experiment={j.experiment}" and (ROOT / "conf/experiment" / f"{j.experiment}.yaml"
+                                                                   ).is_file()
+        assert f"run_dir={tmp_path / name / j.experiment / 'seed0'}" in j.overrides
+        assert "seed=0" in j.overrides and j.overrides[-1] == "trainer.max_steps=9"
+    three = expand(name, seeds=3, runs_root=tmp_path, overrides=[])
+    assert len(three) == 3 * n and sorted({j.seed for j in three}) == [0, 1, 2]
+    assert {(j.experiment, j.seed) for j in three} == {(j.experiment, k) for j in jobs for k in range(3)}
+
+
+def test_table4_is_the_five_mu_values() -> None:
+    mus = set()
+    for j in expand("table4_mu", seeds=1, runs_root=Path("/r"), overrides=[]):
+        text = (ROOT / "conf/experiment" / f"{j.experiment}.yaml").read_text()
+        mus.add(text.split("mu:")[1].split()[0].strip("'"))
+    assert mus == {"1", "sqrt", "dk", "4dk", "learned"}
+
+
+def test_dry_run_prints_jobs_and_scripts_with_the_resources_and_submits_nothing(
+        cluster_env: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = sweep_main(["table5_noise", "--dry-run", f"cluster.runs_root={cluster_env / 'runs'}", "cluster.nodes=2",
+                     "cluster.gpus_per_node=4", "cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high",
+                     "cluster.constraint=h200", "cluster.timeout_min=600", "cluster.signal_delay_s=300"])
+    out = capsys.readouterr().out
+    assert rc == 0 and not (cluster_env / "sbatch.log").exists()
+    assert out.count("#!/bin/bash") == 3 and out.count("dry-run ") == 3
+    for line in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu", "--account=proj",
+                 "--qos=high", "--constraint=h200", "--time=600", "--signal=USR1@300", "--requeue", "--exclusive"):
+        assert out.count(f"#SBATCH {line}") == 3, line
+    assert "exec bash slurm/requeue.sh" in out and "slurm.launch train.py experiment=table5_fixed_r " in out
+
+
+def test_submit_freezes_the_run_skips_finished_runs_and_refuses_a_changed_config(
+        cluster_env: Path, capsys: pytest.CaptureFixture) -> None:
+    runs = cluster_env / "runs"
+    args = ["table5_noise", f"cluster.runs_root={runs}", "trainer.max_steps=4"]
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("submitted")] == ["1001", "1002", "1003"]
+    run = runs / "table5_noise" / "table5_fixed_r" / "seed0"
+    job = json.loads((run / "submit" / "job.json").read_text())
+    assert job["total_steps"] == 4 and len(job["git_commit"]) >= 7
+    assert json.loads((run / "submit" / "config.json").read_text())["mixer"]["noise"] == "fixed_r"
+    assert (run / "submit" / "train.sbatch").read_text().startswith("#!/bin/bash")
+    # a changed experiment is refused, naming the key; force=true re-freezes it
+    assert sweep_main([*args[:-1], "trainer.max_steps=4", "optim.lr=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "submitted with another config" in err and "optim.lr: 0.0004 -> 0.001" in err
+    # a finished run (checkpoint at the last step) is skipped
+    (run / "checkpoints" / "step_000000004").mkdir(parents=True)
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    assert "skip (finished)" in out and out.count("submitted") == 2
+    assert sweep_main([*args, "optim.lr=1e-3", "force=true"]) == 0  # re-frozen; the finished run stays skipped
+    out = capsys.readouterr().out
+    assert "skip (finished)" in out and out.count("submitted") == 2
+    # the status reads the run directories and the scheduler
+    (run.parent.parent / "table5_learned" / "seed0" / "metrics.jsonl").write_text(
+        '{"step": 3, "loss": 7.5}\n{"step": 4, "lo')
+    assert status_main(["table5_noise", f"cluster.runs_root={runs}"]) == 0
+    rows = {ln.split()[0].split("/")[-2]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["table5_fixed_r"][1:3] == ["finished", "1002"]
+    assert rows["table5_learned"][1:] == ["running", "1006", "RUNNING", "3", "7.5000"]
+    assert rows["table5_fixed_r_omega"][1:4] == ["failed", "1007", "FAILED"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["table4_mu", "cluster.gpus_per_node=0"], "cluster.gpus_per_node=0: must be at least 1"),
+    (["table4_mu", "cluster.timeout_min=20"], "lower trainer.ckpt_every or raise cluster.timeout_min"),
+    (["table4_mu", "cluster.gpus_per_node=3"], "is not a multiple of micro_batch_size x seq_len x world_size"),
+    (["table9"], "unknown sweep 'table9'; known sweeps: eval, table1_1.3b"),
+    (["table4_mu", "cluster.gpu=1"], "unknown cluster setting cluster.gpu"),
+    (["eval"], "add of=<sweep>"),
+    (["table4_mu", "seeds=0"], "give at least one training seed"),
+    (["table4_mu", "mixer.mu"], "arguments are key=value"),
+])
+def test_bad_settings_are_refused_in_one_line(args: list[str], match: str, cluster_env: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    assert sweep_main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
+
+
+def test_eval_sweep_covers_the_finished_runs(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    cluster = load_cluster([f"runs_root={runs}"])
+    train_jobs = expand("table5_noise", seeds=1, runs_root=runs, overrides=["trainer.max_steps=4"])
+    done = train_jobs[1]
+    (done.run_dir / "submit").mkdir(parents=True)
+    (done.run_dir / "submit" / "job.json").write_text(json.dumps({"total_steps": 4}))
+    (done.run_dir / "checkpoints" / "step_000000004").mkdir(parents=True)
+    jobs = expand("eval", seeds=1, runs_root=runs, overrides=[], of="table5_noise")
+    assert [j.run_dir for j in jobs] == [done.run_dir]
+    assert jobs[0].command()[1:] == ["evaluate.py", f"model={done.run_dir}", "suites=[lm,ruler,retrieval]",
+                                     "preset=paper"]
+    script = plan(jobs[0], cluster).script
+    assert "#SBATCH --gpus-per-node=1" in script and "#SBATCH --nodes=1" in script
+
+
+def test_multi_node_rendezvous_from_slurm_variables() -> None:
+    assert expand_nodelist("gpu[01-03,7],login") == ["gpu01", "gpu02", "gpu03", "gpu7", "login"]
+    env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "node[08-11]", "SLURM_NNODES": "4", "SLURM_NODEID": "2"}
+    r = rendezvous(env, nproc_per_node=8)
+    assert (r.master_addr, r.master_port, r.world_size) == ("node08", 20000 + 123456 % 20000, 32)
+    e = r.env(3)
+    assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) == (
+        "19", "3", "32", "8", "2")
+    with pytest.raises(ValueError, match="one task per node"):
+        rendezvous({**env, "SLURM_NODEID": "4"}, nproc_per_node=8)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    out = tmp_path_factory.mktemp("shards") / "embedded"
+    return [f"data.prepare.out_dir={out}", "data.prepare.max_tokens=60000", "data.prepare.num_workers=1"]
+
+
+def _env(**slurm: str) -> dict[str, str]:
+    return {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **slurm}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[str]) -> None:
+    """Two launcher tasks ("nodes") with one CPU process each (gloo) against one process with two accumulation
+    steps: the same global batch, so the losses agree to FP32 rounding."""
+    common = [*TOY, *shards, "trainer.max_steps=2"]
+    one = subprocess.run([sys.executable, "-m", "slurm.launch", "train.py", *common, f"run_dir={tmp_path / 'one'}"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
+                               f"run_dir={tmp_path / 'two'}"], cwd=ROOT, env=_env(**slurm, SLURM_NODEID=str(n)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "node 1/2, 1 process(es), world 2, master localhost:24242" in outs[1]
+    assert "2 process(es) x 1 accumulation" in outs[0]
+    l1, l2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(l1) == len(l2) == 2 and l1 == pytest.approx(l2, rel=1e-5, abs=0)
+
+
+def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) -> None:
+    """The rendered batch script under fake srun/scontrol: a signal makes train.py save and the script requeue;
+    the requeued script (the same file) resumes from the saved step instead of starting over."""
+    tools = fake_tools(tmp_path)
+    runs = tmp_path / "runs"
+    job = Job("test", "train", "toy", 0, runs / "toy", tuple([*TOY, *shards, f"run_dir={runs / 'toy'}",
+                                                              "trainer.max_steps=400", "trainer.ckpt_every=0"]))
+    script = tmp_path / "job.sbatch"
+    script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
+    env = _env(SLURM_JOB_ID="4343", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+               PATH=f"{tools}:{os.environ['PATH']}")
+    metrics = runs / "toy" / "metrics.jsonl"
+
+    def run_until(n_lines: int) -> tuple[int, str]:
+        proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        deadline = time.time() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n_lines):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGUSR1)  # as SLURM signals every process of the job
+        return proc.wait(timeout=240), proc.communicate()[0]
+
+    rc, out = run_until(2)
+    assert rc == 75, out[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4343"]
+    saved = len(_losses(runs / "toy"))
+    rc, out = run_until(saved + 2)
+    assert rc == 75 and "resumed from" in out, out[-3000:]
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= saved + 2
+
+
+def test_sweep_error_is_a_value_error() -> None:
+    assert issubclass(SweepError, ValueError)
