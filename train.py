@@ -204,10 +204,11 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
              f"{budget.tokens_per_step:,} tokens ({world} process(es) x {budget.grad_accum} accumulation x "
              f"{cfg.trainer.micro_batch_size} x {cfg.data.seq_len}), warm-up {budget.warmup_steps}, {precision}")
 
-    def save() -> Path:
+    def save(lr: float) -> Path:
+        """Checkpoint the state after the optimiser step of ``state.step``, taken with ``lr``."""
         if not weights_finite(accelerator, model, optimizer):  # never a non-finite checkpoint
-            raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step,
-                                                         scheduler.get_last_lr()[0], ckpt.latest()))
+            raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, lr,
+                                                         ckpt.latest()))
         state.scheduler = scheduler.state_dict()
         state.loader = loader.state_dict()
         return ckpt.save(accelerator, state)
@@ -287,7 +288,7 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
                 metrics.log({"step": state.step, "val_loss": val_loss})
             every = cfg.trainer.ckpt_every
             if stop or (every >= 0 and done) or (every > 0 and state.step % every == 0):
-                log.info(f"step {state.step}: checkpoint {save()}")
+                log.info(f"step {state.step}: checkpoint {save(lr)}")
             if preempted:
                 log.warning(f"preemption signal: saved step {state.step}; exiting for a requeue")
                 accelerator.end_training()
