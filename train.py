@@ -80,14 +80,19 @@ def diagnose_non_finite(model: torch.nn.Module, step: int, what: str, lr: float,
             f"{last_ckpt or 'none yet'}. {_ADVICE}")
 
 
-def weights_finite(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
-    """Collective: whether every parameter (and, given ``optimizer``, every floating optimiser state) is finite on
-    every process. One fused reduction and one small all-reduce."""
+def non_finite_flag(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """0-d float tensor on the parameters' device, 1 if a parameter (or, given ``optimizer``, a floating optimiser
+    state) holds NaN/Inf on this process, else 0. One fused reduction; no host sync."""
     tensors = list(model.parameters())
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values()
                     if torch.is_tensor(v) and v.is_floating_point()]
-    bad = (~all_finite(tensors)).float().reshape(1).to(accelerator.device)
+    return (~all_finite(tensors)).float()
+
+
+def weights_finite(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Collective: whether ``non_finite_flag`` is 0 on every process (one small all-reduce and a sync)."""
+    bad = non_finite_flag(model, optimizer).reshape(1).to(accelerator.device)
     return float(accelerator.reduce(bad, "sum")) == 0
 
 
@@ -230,6 +235,8 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
             metrics.event({"step": state.step, "event": "resume_force", "changes": changes})
         batches = iter(loader)
         t_last, steps_since, timed = time.perf_counter(), 0, True
+        # the weights after step k are checked in step k + 1's collective (no sync of its own) and before a save
+        weights_bad, prev_lr = torch.zeros((), device=device), float("nan")
         while state.step < budget.total_steps:
             # one optimiser step = grad_accum micro-batches per process
             profiler.step_begins(state.step)
@@ -246,8 +253,12 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), o.grad_clip))
             # one collective per step: the mean loss and whether any process got a preemption signal
             flag = torch.tensor(float(preemption.requested), device=device)
-            loss, preempted = accelerator.reduce(torch.stack([loss_sum / budget.grad_accum, flag]), "sum").tolist()
+            loss, preempted, bad = accelerator.reduce(
+                torch.stack([loss_sum / budget.grad_accum, flag, weights_bad.to(device)]), "sum").tolist()
             loss /= world
+            if bad:  # the previous step's update, before this step's loss (computed from those weights)
+                raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, prev_lr,
+                                                             ckpt.latest()))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteLossError(diagnose_non_finite(
                     accelerator.unwrap_model(model), state.step + 1, f"loss={loss}, grad_norm={grad_norm}", lr,
@@ -257,10 +268,8 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.tokens_seen += budget.tokens_per_step
-            every_w = cfg.trainer.check_weights_every
-            if every_w and state.step % every_w == 0 and not weights_finite(accelerator, model, None):
-                raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, lr,
-                                                             ckpt.latest()))
+            every_w, prev_lr = cfg.trainer.check_weights_every, lr
+            weights_bad = non_finite_flag(model) if every_w and state.step % every_w == 0 else weights_bad.zero_()
             steps_since += 1
             if (summary := profiler.step_ends(state.step)) is not None:
                 log.info(f"profile of steps {cfg.logging.profile.start + 1}-{state.step}: {summary}")
@@ -300,6 +309,9 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
     finished = state.step >= budget.total_steps
     export = run_dir / "hf"
     if finished and cfg.trainer.export and not (already_done and export.is_dir()):
+        if not weights_finite(accelerator, model, None):
+            raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, prev_lr,
+                                                         ckpt.latest()))
         export_hf(accelerator, model, tokenizer, export)
         log.info(f"exported the model and tokenizer to {export}")
     accelerator.end_training()

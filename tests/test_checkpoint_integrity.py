@@ -100,16 +100,17 @@ def test_lr_inf_is_refused_and_non_finite_weights_are_never_saved(tmp_path: Path
     for lr in ("inf", "nan"):
         with pytest.raises(ConfigError, match="optim.lr: must be a finite number"):
             make_cfg(TOY + [f"optim.lr={lr}"])
-    # lr = 1e38 is finite, but one AdamW step takes the weights to Inf; with the check after every step or only
-    # before the checkpoint, the run stops before writing it
-    for every in (1, 0):
+    # lr = 1e38 is finite, but one AdamW step takes the weights to Inf: found in the next step's collective (before
+    # its loss is looked at) or, with the check off, before the checkpoint; nothing is written either way
+    for every, ckpt_every in ((1, 0), (0, 1)):
         run = tmp_path / f"every{every}"
         with pytest.raises(NonFiniteWeightsError, match=r"non-finite weights after the optimiser step of step 1 "
                                                          r"\(lr=1\.000e\+38\); in: .*This state was not saved; "
                                                          r"last good checkpoint: none yet"):
-            run_train(TOY + shards + [f"run_dir={run}", "trainer.max_steps=4", "trainer.ckpt_every=1",
+            run_train(TOY + shards + [f"run_dir={run}", "trainer.max_steps=4", f"trainer.ckpt_every={ckpt_every}",
                                       "optim.lr=1e38", "optim.warmup_frac=0", f"trainer.check_weights_every={every}"])
         assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+        assert [r["step"] for r in losses(run)] == [1]
 
 
 def test_a_flipped_byte_resumes_from_the_previous_checkpoint(tmp_path: Path, shards: list[str],
