@@ -38,8 +38,7 @@ from accelerate.utils import broadcast_object_list, set_seed  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from data import PrepareConfig, TokenLoader, load_tokenizer, prepare  # noqa: E402
-from data.shards import check_tokenizer, read_meta  # noqa: E402
+from data import PrepareConfig, TokenLoader, check_tokenizer, load_tokenizer, prepare, read_meta  # noqa: E402
 from kdn.modules import cached_weight_casts  # noqa: E402
 from models import build_model, count_flops_per_token  # noqa: E402
 from trainer.checkpoint import Checkpointer, TrainState, export_hf  # noqa: E402
