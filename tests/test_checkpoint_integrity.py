@@ -146,3 +146,19 @@ def test_a_torn_metrics_line_is_dropped_and_the_run_resumes(tmp_path: Path, shar
     bad.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{bad}:2 is not a JSON record"):
         read_jsonl(bad)
+
+
+@pytest.mark.gpu
+def test_all_finite_on_cuda_needs_no_host_sync() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.randn(1024, 512, device="cuda", generator=g),
+          torch.randn(4096, device="cuda", generator=g).bfloat16(), torch.full((7,), 3e38, device="cuda")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
+    try:
+        flag = all_finite(ts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert flag.device.type == "cuda" and bool(flag)
+    ts[1][4095] = float("inf")
+    assert not bool(all_finite(ts))
