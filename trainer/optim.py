@@ -80,6 +80,8 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     local = [t.detach() for t in local if t.numel()]
     if not local:
         return torch.ones((), dtype=torch.bool)
-    norms = torch._foreach_norm(local, float("inf"))
-    device = norms[0].device
-    return torch.stack([n.float().to(device) for n in norms]).isfinite().all()
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for norm in torch._foreach_norm(local, float("inf")):
+        groups.setdefault((norm.dtype, norm.device), []).append(norm)
+    device = local[0].device
+    return torch.stack([torch.stack(g).isfinite().all().to(device) for g in groups.values()]).all()
