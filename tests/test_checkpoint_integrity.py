@@ -113,17 +113,20 @@ def test_lr_inf_is_refused_and_non_finite_weights_are_never_saved(tmp_path: Path
         assert [r["step"] for r in losses(run)] == [1]
 
 
-def test_a_flipped_byte_resumes_from_the_previous_checkpoint(tmp_path: Path, shards: list[str],
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_flipped_byte_and_a_torn_metrics_line_resume_from_the_previous_checkpoint(
+        tmp_path: Path, shards: list[str], caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "flip"
     args = TOY + shards + [f"run_dir={run}", "trainer.max_steps=5", "trainer.ckpt_every=2"]
     run_train(args + ["trainer.stop_after=4"])
     before = {r["step"]: r["loss"] for r in losses(run)}
     model_bin = run / "checkpoints" / "step_000000004" / "pytorch_model.bin"
     _flip(model_bin, at=model_bin.stat().st_size // 2)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 9.1, "lr": 0.0')  # the crash came mid-write
     with caplog.at_level(logging.WARNING, logger="train"):
         out = run_train(args)
     assert f"{model_bin} fails its SHA-256 checksum" in caplog.text
+    assert "dropping a torn last line" in caplog.text
     assert out["finished"] and out["checkpoint"].name == "step_000000005"
     after = {r["step"]: r["loss"] for r in losses(run)}
     assert list(after) == [1, 2, 3, 4, 5]
@@ -131,21 +134,13 @@ def test_a_flipped_byte_resumes_from_the_previous_checkpoint(tmp_path: Path, sha
     assert (run / "checkpoints" / "step_000000004.corrupt").is_dir()
 
 
-def test_a_torn_metrics_line_is_dropped_and_the_run_resumes(tmp_path: Path, shards: list[str],
-                                                            caplog: pytest.LogCaptureFixture) -> None:
-    run = tmp_path / "torn"
-    args = TOY + shards + [f"run_dir={run}", "trainer.max_steps=3", "trainer.ckpt_every=0"]
-    run_train(args + ["trainer.stop_after=2"])
-    with (run / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 3, "loss": 9.1, "lr": 0.0')  # the crash came mid-write
-    with caplog.at_level(logging.WARNING, logger="train"):
-        assert run_train(args)["finished"]
-    assert "dropping a torn last line" in caplog.text
-    assert [r["step"] for r in losses(run)] == [1, 2, 3]
+def test_read_jsonl_refuses_a_torn_line_before_the_last(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{bad}:2 is not a JSON record"):
         read_jsonl(bad)
+    bad.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert read_jsonl(bad) == [{"step": 1}, {"step": 2}]
 
 
 @pytest.mark.gpu
