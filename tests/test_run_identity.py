@@ -151,3 +151,33 @@ def test_cli_names_the_run_by_its_overrides_and_refuses_another_experiment_in_on
         f"run error: {run} holds another experiment (optim.lr: 0.001 -> 0.0004); start a new run with "
         "name=<new name>, or add resume=force to continue this run with the new settings")
     assert not (run / "config.yaml").exists() and not (run / LOCK_FILE).exists()
+
+
+def _race(run_dir: str, start: object, tried: object, results: object) -> None:
+    start.wait()
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+        results.put("took")
+    except RunDirError:
+        results.put("refused")
+    tried.wait()  # the holder keeps the lock until every process has tried
+    lock.release()
+
+
+def test_processes_racing_for_a_stale_lock_let_exactly_one_in(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(_lock_of(dead.pid))
+    ctx = mp.get_context("fork")
+    start, tried, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), start, tried, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    outcome = sorted(results.get(timeout=5) for _ in procs)
+    assert outcome == ["refused"] * 3 + ["took"]
+    assert not (tmp_path / LOCK_FILE).exists()

@@ -164,7 +164,7 @@ class RunLock:
         except FileNotFoundError:
             return None
         except (json.JSONDecodeError, OSError):
-            return {}  # written by a process that died mid-write (an empty or torn file)
+            return {}  # unreadable (an empty or damaged file): no live holder can be named
 
     def _stale(self, holder: dict[str, Any]) -> bool:
         if not holder:
@@ -174,34 +174,51 @@ class RunLock:
         return holder.get("host") == self.me["host"] and not _pid_alive(int(holder.get("pid", -1)))
 
     def acquire(self) -> None:
-        """Take the lock or raise ``RunDirError``."""
+        """Take the lock or raise ``RunDirError``. The lock file appears whole (a hard link of a written temp
+        file), so a reader never sees a half-written one from a live process."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue  # released meanwhile
-                if not self._stale(holder):
-                    raise RunDirError(
-                        f"{self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                        f"(lock {self.path}); wait for that run to end, use another name=, or delete the lock "
-                        "if that process is gone") from None
-                log.warning(f"breaking the stale lock {self.path} of pid {holder.get('pid')} on "
-                            f"{holder.get('host')} (that process is gone)")
-                aside = self.path.with_name(f".{LOCK_FILE}.{self.me['token']}.stale")
+        mine = self.path.with_name(f".{LOCK_FILE}.{self.me['token']}")
+        mine.write_text(json.dumps(self.me))
+        try:
+            for _ in range(3):
                 try:
-                    os.replace(self.path, aside)
-                    aside.unlink()
-                except FileNotFoundError:
-                    pass  # another process broke it first; race for the new lock
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-            self.held = True
-            return
+                    os.link(mine, self.path)
+                except FileExistsError:
+                    holder = self._holder()
+                    if holder is None:
+                        continue  # released meanwhile
+                    if not self._stale(holder):
+                        raise RunDirError(
+                            f"{self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+                            f"(lock {self.path}); wait for that run to end, use another name=, or delete the lock "
+                            "if that process is gone") from None
+                    log.warning(f"breaking the stale lock {self.path} of pid {holder.get('pid')} on "
+                                f"{holder.get('host')} (that process is gone)")
+                    self._break(holder)
+                    continue
+                self.held = True
+                return
+        finally:
+            mine.unlink()
         raise RunDirError(f"could not take the lock {self.path}: other processes keep taking it; run one at a time")
+
+    def _break(self, holder: dict[str, Any]) -> None:
+        """Move the stale lock of ``holder`` away; a lock that another process took meanwhile is put back."""
+        aside = self.path.with_name(f".{LOCK_FILE}.{self.me['token']}.stale")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return  # another process broke it first; race for the new lock
+        try:
+            moved = json.loads(aside.read_text())
+        except (json.JSONDecodeError, OSError):
+            moved = {}
+        if moved != holder:  # a fresh lock: give it back
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+        aside.unlink()
 
     def release(self) -> None:
         """Remove the lock file if it is still this process's."""
