@@ -117,7 +117,7 @@ def check_shard(shard_dir: Path, entry: dict, dtype: str, checksum: bool) -> Pat
                          "python -m data.prepare with the same settings to rebuild it")
     if checksum and sha256_file(path) != entry["sha256"]:
         raise ValueError(f"shard {path} fails its SHA-256 checksum (corrupted copy?); rerun python -m data.prepare "
-                         "with the same settings and verify=true to rebuild it")
+                         "with the same settings and verify=true (train.py: data.prepare.verify=true) to rebuild it")
     return path
 
 

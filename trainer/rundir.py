@@ -52,7 +52,7 @@ def name_suffix(overrides: list[str]) -> str:
     kept = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
-        if key in _NAMED_GROUPS or _covered(key, RESUMABLE_KEYS) or key.startswith("hydra."):
+        if key in _NAMED_GROUPS or _covered(key, RESUMABLE_KEYS) or key.startswith(("hydra.", "hydra/")):
             continue
         kept.append(re.sub(r"[^A-Za-z0-9._=+,-]", "_", item.lstrip("+~")))
     if not kept:
