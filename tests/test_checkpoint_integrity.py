@@ -63,6 +63,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_intact_one(
     assert ckpt.complete() == [paths[0]] and (tmp_path / "step_000000003.corrupt").is_dir()  # set aside, kept
     state = ckpt.load(accelerator, paths[0])
     assert (state.step, state.tokens_seen) == (1, 10)
+    (paths[0] / "optimizer.bin").unlink()
+    with pytest.raises(ValueError, match=r"every checkpoint in .* is damaged \(set aside as step_000000001.corrupt\)"):
+        ckpt.resume_point(accelerator)  # starting over would drop the run's records: refused
 
 
 def test_manifests_keep_last_and_temp_directories(tmp_path: Path, acc: tuple[Accelerator, torch.nn.Module]) -> None:

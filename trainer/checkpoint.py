@@ -133,29 +133,38 @@ class Checkpointer:
             log.warning(f"removing {stale}, the remains of an interrupted save")
             shutil.rmtree(stale)
 
-    def _find_intact(self) -> Path | None:
+    def _find_intact(self) -> tuple[str, str]:
+        """(the newest intact checkpoint or "", an error when there were checkpoints and none is intact)."""
         for p in self.root.glob("step_*") if self.root.is_dir() else ():
             if _STEP_DIR.match(p.name) and p.is_dir() and not (p / MANIFEST).is_file():
                 log.warning(f"{p} has no {MANIFEST}: it is not a complete checkpoint and is ignored")
+        damaged = []
         for path in reversed(self.complete()):
             problem = verify(path)
             if problem is None:
-                return path
+                return str(path), ""
             aside = path.with_name(path.name + ".corrupt")
             if aside.exists():
                 aside = path.with_name(f"{path.name}.{self.token}.corrupt")
             os.replace(path, aside)
+            damaged.append(aside.name)
             log.warning(f"checkpoint {path} is damaged: {problem}; set aside as {aside}, trying the previous one")
-        return None
+        if damaged:
+            return "", (f"every checkpoint in {self.root} is damaged (set aside as {', '.join(damaged)}); nothing "
+                        "to resume from: start over under another name=, or restore a checkpoint from a copy")
+        return "", ""
 
     def resume_point(self, accelerator: Accelerator) -> Path | None:
         """Collective: the newest checkpoint that passes its manifest (the main process verifies and tells the
-        others), or ``None``. Damaged checkpoints are renamed ``step_*.corrupt`` with a warning."""
-        found = [str(p) if (p := self._find_intact()) else ""] if accelerator.is_main_process else [""]
+        others), or ``None`` when there is none. Damaged checkpoints are renamed ``step_*.corrupt`` with a warning;
+        a ``ValueError`` when every one is damaged (starting over would drop the run's records)."""
+        found = list(self._find_intact()) if accelerator.is_main_process else ["", ""]
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(found)
+        if found[1]:
+            raise ValueError(found[1])
         return Path(found[0]) if found[0] else None
 
     def save(self, accelerator: Accelerator, state: TrainState) -> Path:
