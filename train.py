@@ -6,41 +6,49 @@
     python train.py -m experiment=table4_mu_1,table4_mu_dk   # a sweep (slurm/sweep.sh submits it to SLURM)
     accelerate launch --num_processes 2 train.py ...  # DDP; add trainer.distributed=fsdp for FSDP2
 
-Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default): ``config.yaml`` (the
-validated config), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export) and
-wandb's offline files. Rerunning the same command resumes from the newest checkpoint there.
-SIGUSR1/SIGTERM save at the next step boundary and exit with code 75 for a requeue; a NaN/Inf loss
-stops the run and keeps the last good checkpoint.
+Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default; the default name holds the
+experiment-changing overrides): ``config.yaml`` (the validated config), ``fingerprint.json`` (the experiment's
+identity), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export), wandb's offline files and,
+while it runs, ``run.lock``. Rerunning the same command resumes from the newest intact checkpoint there; a rerun
+with another experiment's settings is refused (``name=<new>`` starts another run, ``resume=force`` continues this
+one with the new settings). SIGUSR1/SIGTERM save at the next step boundary (during start-up: at once) and exit
+with code 75 for a requeue; a NaN/Inf loss or weight stops the run and keeps the last good checkpoint.
 """
 from __future__ import annotations
 
-import itertools
-import logging
-import math
-import sys
-import time
-import uuid
-from dataclasses import asdict
-from pathlib import Path
-from typing import Any
+if __name__ == "__main__":  # a preemption signal during the imports below exits 75 for a requeue, too
+    from trainer.preemption import exit_on_signals
 
-import hydra
-import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+    exit_on_signals()
 
-from data import PrepareConfig, TokenLoader, load_tokenizer, prepare
-from kdn.modules import cached_weight_casts
-from models import build_model, count_flops_per_token
-from trainer.checkpoint import Checkpointer, TrainState, export_hf
-from trainer.config import ConfigError, TrainConfig, build_model_config, derive_budget, load_config
-from trainer.distributed import build_accelerator, world_size
-from trainer.metrics import MetricLogger, peak_flops
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.preemption import Preemption
-from trainer.profiling import StepProfiler
+import itertools  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import broadcast_object_list, set_seed  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from data import PrepareConfig, TokenLoader, check_tokenizer, load_tokenizer, prepare, read_meta  # noqa: E402
+from kdn.modules import cached_weight_casts  # noqa: E402
+from models import build_model, count_flops_per_token  # noqa: E402
+from trainer.checkpoint import Checkpointer, TrainState, export_hf  # noqa: E402
+from trainer.config import Budget, ConfigError, TrainConfig, build_model_config, derive_budget, load_config  # noqa: E402
+from trainer.distributed import build_accelerator, world_size  # noqa: E402
+from trainer.metrics import MetricLogger, peak_flops  # noqa: E402
+from trainer.optim import adopt_hyperparameters, all_finite, build_optimizer, build_scheduler, sync_lr  # noqa: E402
+from trainer.preemption import Preemption  # noqa: E402
+from trainer.profiling import StepProfiler  # noqa: E402
+from trainer.rundir import RunDirError, RunLock, check_fingerprint, store_fingerprint  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -49,19 +57,50 @@ class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN/Inf; the step was not applied."""
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """A parameter (or optimiser state) became NaN/Inf in an optimiser step; that state was not saved."""
+
+
+_ADVICE = ("Lower optim.lr or raise optim.warmup_frac (add resume=force to continue this run with the new "
+           "settings), or inspect the data at this step.")
+
+
+def _names(xs: list[str]) -> str:
+    return ", ".join(xs[:5]) + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "") if xs else "none"
+
+
 def diagnose_non_finite(model: torch.nn.Module, step: int, what: str, lr: float, last_ckpt: Path | None) -> str:
     """One paragraph: where it happened, which parameters carry NaN/Inf gradients or values, what to do."""
     bad_grads = [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
     bad_params = [n for n, p in model.named_parameters() if not p.isfinite().all()]
-
-    def names(xs: list[str]) -> str:
-        return ", ".join(xs[:5]) + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "") if xs else "none"
-
     return (f"non-finite training loss at step {step} ({what}, lr={lr:.3e}); "
-            f"non-finite gradients in: {names(bad_grads)}; non-finite parameters: {names(bad_params)}. "
+            f"non-finite gradients in: {_names(bad_grads)}; non-finite parameters: {_names(bad_params)}. "
             f"The update was not applied and no checkpoint was written; last good checkpoint: "
-            f"{last_ckpt or 'none yet'}. Lower optim.lr or raise optim.warmup_frac, or inspect the data at "
-            "this step; rerunning the command resumes from that checkpoint.")
+            f"{last_ckpt or 'none yet'}. {_ADVICE}")
+
+
+def non_finite_flag(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """0-d float tensor on the parameters' device, 1 if a parameter (or, given ``optimizer``, a floating optimiser
+    state) holds NaN/Inf on this process, else 0. One fused reduction; no host sync."""
+    tensors = list(model.parameters())
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values()
+                    if torch.is_tensor(v) and v.is_floating_point()]
+    return (~all_finite(tensors)).float()
+
+
+def weights_finite(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Collective: whether ``non_finite_flag`` is 0 on every process (one small all-reduce and a sync)."""
+    bad = non_finite_flag(model, optimizer).reshape(1).to(accelerator.device)
+    return float(accelerator.reduce(bad, "sum")) == 0
+
+
+def diagnose_weights(model: torch.nn.Module, step: int, lr: float, last_ckpt: Path | None) -> str:
+    """One paragraph for non-finite weights after the optimiser step of ``step``."""
+    bad = _names([n for n, p in model.named_parameters() if not p.isfinite().all()])
+    where = "the optimiser state" if bad == "none" else bad
+    return (f"non-finite weights after the optimiser step of step {step} (lr={lr:.3e}); in: {where}. "
+            f"This state was not saved; last good checkpoint: {last_ckpt or 'none yet'}. {_ADVICE}")
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,21 +125,39 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) one training job; returns a summary of where it ended. The preemption signals
     are caught from the start (a signal during set-up is acted on at the first step boundary)."""
     with Preemption(cfg.trainer.preempt_signals) as preemption:
-        return _train(cfg, preemption)
+        budget = derive_budget(cfg, world_size(cfg.trainer))
+        accelerator, precision = build_accelerator(cfg.trainer, budget.grad_accum)
+        if not accelerator.is_main_process:
+            log.setLevel(logging.WARNING)
+            return _train(cfg, preemption, accelerator, precision, budget, token="")
+        with RunLock(cfg.run_dir) as lock:  # one process a run directory
+            return _train(cfg, preemption, accelerator, precision, budget, token=lock.me["token"][:8])
 
 
-def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
-    run_dir = Path(cfg.run_dir)
-    budget = derive_budget(cfg, world_size(cfg.trainer))
-    accelerator, precision = build_accelerator(cfg.trainer, budget.grad_accum)
-    if not accelerator.is_main_process:
-        log.setLevel(logging.WARNING)
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def _open_run_dir(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer) -> dict[str, list[Any]]:
+    """Refuse a resume of another experiment (unless ``resume=force``); record this run's config. Returns the
+    adopted changes ({key: [old, new]}) of a forced resume."""
+    run_dir, config = Path(cfg.run_dir), asdict(cfg)
+    changes = check_fingerprint(run_dir, config, cfg.resume == "force") if ckpt.latest() is not None else {}
+    accelerator.wait_for_everyone()  # every process compared with the stored config before it is replaced
     if accelerator.is_main_process:  # the validated, resolved config of this run
         run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temps()
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        store_fingerprint(run_dir, config)
+    return changes
+
+
+def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, precision: str, budget: Budget,
+           token: str) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    if world > 1:  # the temp directory of a save is named the same on every process
+        token = broadcast_object_list([token])[0]
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_last, token)
+    changes = _open_run_dir(cfg, accelerator, ckpt)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     # data: one global token stream, the same for every mixer with the same data.seed
     if cfg.data.auto_prepare:
@@ -108,12 +165,16 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             shard_dir = prepare(PrepareConfig(**cfg.data.prepare))
     else:
         shard_dir = Path(cfg.data.prepare["out_dir"])
+    try:  # the tokenizer exported with the model is the one the shards were made with
+        tokenizer = load_tokenizer(cfg.data.prepare.get("tokenizer") or read_meta(shard_dir)["tokenizer"]["name"])
+        check_tokenizer(shard_dir, tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"data.prepare.tokenizer: {e}") from None
     loader_kw = dict(seq_len=cfg.data.seq_len, batch_size=cfg.trainer.micro_batch_size, seed=cfg.data.seed,
                      rank=rank, world_size=world, varlen=cfg.data.varlen)
     loader = TokenLoader(shard_dir, split="train", num_workers=cfg.data.num_workers,
                          pin_memory=device.type == "cuda", reshard=cfg.trainer.reshard, **loader_kw)
     val_loader = TokenLoader(shard_dir, split="val", **loader_kw)
-    tokenizer = load_tokenizer(loader.meta["tokenizer"]["name"])
 
     # model, optimiser, schedule
     set_seed(cfg.seed)
@@ -121,25 +182,34 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
     model = build_model(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     o = cfg.optim
-    optimizer = build_optimizer(model, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+    hyper = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+    optimizer = build_optimizer(model, **hyper)
     scheduler = build_scheduler(optimizer, warmup_steps=budget.warmup_steps, total_steps=budget.total_steps,
                                 min_ratio=o.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    # resume from the run directory's newest checkpoint, if any
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_last)
+    # resume from the run directory's newest intact checkpoint, if any
     state = TrainState(world_size=world, wandb_id=uuid.uuid4().hex[:8])
-    if (last := ckpt.latest()) is not None:
+    resumed = False
+    if (last := ckpt.resume_point(accelerator)) is not None:
         state = ckpt.load(accelerator, last, reshard=cfg.trainer.reshard)
         state.world_size = world
         scheduler.load_state_dict(state.scheduler)
+        if changes:  # resume=force: the new optimiser and schedule settings replace the restored ones
+            adopt_hyperparameters(optimizer, scheduler, **hyper)
+        sync_lr(optimizer, scheduler)  # the schedule of this config's step count applies from the first step
         loader.load_state_dict(state.loader)
+        resumed = True
         log.info(f"resumed from {last} (step {state.step}, {state.tokens_seen:,} tokens)")
     log.info(f"{cfg.name}: {n_params / 1e6:.1f}M parameters, {budget.total_steps} steps of "
              f"{budget.tokens_per_step:,} tokens ({world} process(es) x {budget.grad_accum} accumulation x "
              f"{cfg.trainer.micro_batch_size} x {cfg.data.seq_len}), warm-up {budget.warmup_steps}, {precision}")
 
-    def save() -> Path:
+    def save(lr: float) -> Path:
+        """Checkpoint the state after the optimiser step of ``state.step``, taken with ``lr``."""
+        if not weights_finite(accelerator, model, optimizer):  # never a non-finite checkpoint
+            raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, lr,
+                                                         ckpt.latest()))
         state.scheduler = scheduler.state_dict()
         state.loader = loader.state_dict()
         return ckpt.save(accelerator, state)
@@ -155,8 +225,14 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             progress=cfg.logging.progress, wandb_mode=cfg.logging.wandb.mode, wandb_project=cfg.logging.wandb.project,
             wandb_entity=cfg.logging.wandb.entity, wandb_id=state.wandb_id, run_name=cfg.name, config=asdict(cfg),
     ) as metrics:
+        if resumed and changes:
+            log.warning(f"resume=force: step {state.step} continues with "
+                        + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+            metrics.event({"step": state.step, "event": "resume_force", "changes": changes})
         batches = iter(loader)
         t_last, steps_since, timed = time.perf_counter(), 0, True
+        # the weights after step k are checked in step k + 1's collective (no sync of its own) and before a save
+        weights_bad, prev_lr = torch.zeros((), device=device), float("nan")
         while state.step < budget.total_steps:
             # one optimiser step = grad_accum micro-batches per process
             profiler.step_begins(state.step)
@@ -173,8 +249,12 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), o.grad_clip))
             # one collective per step: the mean loss and whether any process got a preemption signal
             flag = torch.tensor(float(preemption.requested), device=device)
-            loss, preempted = accelerator.reduce(torch.stack([loss_sum / budget.grad_accum, flag]), "sum").tolist()
+            loss, preempted, bad = accelerator.reduce(
+                torch.stack([loss_sum / budget.grad_accum, flag, weights_bad.to(device)]), "sum").tolist()
             loss /= world
+            if bad:  # the previous step's update, before this step's loss (computed from those weights)
+                raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, prev_lr,
+                                                             ckpt.latest()))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteLossError(diagnose_non_finite(
                     accelerator.unwrap_model(model), state.step + 1, f"loss={loss}, grad_norm={grad_norm}", lr,
@@ -184,6 +264,8 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.tokens_seen += budget.tokens_per_step
+            every_w, prev_lr = cfg.trainer.check_weights_every, lr
+            weights_bad = non_finite_flag(model) if every_w and state.step % every_w == 0 else weights_bad.zero_()
             steps_since += 1
             if (summary := profiler.step_ends(state.step)) is not None:
                 log.info(f"profile of steps {cfg.logging.profile.start + 1}-{state.step}: {summary}")
@@ -211,7 +293,7 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
                 metrics.log({"step": state.step, "val_loss": val_loss})
             every = cfg.trainer.ckpt_every
             if stop or (every >= 0 and done) or (every > 0 and state.step % every == 0):
-                log.info(f"step {state.step}: checkpoint {save()}")
+                log.info(f"step {state.step}: checkpoint {save(lr)}")
             if preempted:
                 log.warning(f"preemption signal: saved step {state.step}; exiting for a requeue")
                 accelerator.end_training()
@@ -223,6 +305,9 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
     finished = state.step >= budget.total_steps
     export = run_dir / "hf"
     if finished and cfg.trainer.export and not (already_done and export.is_dir()):
+        if not weights_finite(accelerator, model, None):
+            raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, prev_lr,
+                                                         ckpt.latest()))
         export_hf(accelerator, model, tokenizer, export)
         log.info(f"exported the model and tokenizer to {export}")
     accelerator.end_training()
@@ -238,6 +323,9 @@ def main(dict_cfg: DictConfig) -> None:
         train(load_config(dict_cfg))
     except ConfigError as e:  # bad values, an impossible batch split, a missing device: one line
         print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except RunDirError as e:  # the run directory holds another experiment or is in use
+        print(f"run error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -14,7 +14,8 @@ Documents are cut into chunks of `docs_per_shard` records; chunk k becomes `trai
 A document goes to validation when a hash of (seed, its index in the source) falls below `val_fraction`,
 so the split depends neither on the worker count nor on the budget. `max_tokens` caps training tokens
 exactly (the last document is cut). A rerun resumes after the last finished chunk; a changed budget keeps
-the untruncated chunks that fit and recomputes the rest.
+the untruncated chunks that fit and recomputes the rest. A kept chunk whose shard is missing or resized
+(with `verify=true`: fails its SHA-256) is tokenised again, and must reproduce its recorded checksums.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class PrepareConfig:
     num_workers: int = 0  # tokeniser processes; 0 = one per CPU core
     dtype: str = "auto"  # auto | uint16 | uint32
     add_bos: bool = False  # also put BOS before every document
-    overwrite: bool = False  # rebuild a directory prepared with other settings (instead of an error)
+    overwrite: bool = False  # rebuild the directory from scratch (also when it was prepared with other settings)
+    verify: bool = False  # check every kept shard's SHA-256 (else its size) and rebuild the chunks that fail
     progress: bool = True
 
 
@@ -194,21 +196,21 @@ def _clean_stray(out_dir: Path, chunks: list[dict]) -> None:
             f.unlink()
 
 
-def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[list[dict], bool, bool]:
-    """Chunks of a previous run that stay valid, whether it read the whole source, and whether it is
-    complete with this exact budget (then there is nothing to do or write)."""
+def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[list[dict], list[dict], bool, bool]:
+    """Chunks of a previous run that stay valid, those of them whose shards are damaged (to rebuild), whether it
+    read the whole source, and whether it is complete with this exact budget (then there is nothing to write)."""
     if not (out_dir / META).exists():
-        return [], False, False
-    meta = read_meta(out_dir)
-    diff = [k for k, v in identity.items() if meta.get(k) != v]
-    if diff and cfg.overwrite:
+        return [], [], False, False
+    if cfg.overwrite:
         _clean_stray(out_dir, [])
         (out_dir / META).unlink()
-        return [], False, False
+        return [], [], False, False
+    meta = read_meta(out_dir)
+    diff = [k for k, v in identity.items() if meta.get(k) != v]
     if diff:
         raise ValueError(f"{out_dir} was prepared with different {', '.join(diff)} (tokenizer/source/settings differ "
                          f"from this run); use another out_dir=, or overwrite=true to rebuild it")
-    chunks, budget = [], cfg.max_tokens or None
+    chunks, damaged, budget = [], [], cfg.max_tokens or None
     total = 0
     for c in meta["chunks"]:
         n = c["train"]["tokens"] if c["train"] else 0
@@ -216,14 +218,43 @@ def _resume_state(out_dir: Path, identity: dict, cfg: PrepareConfig) -> tuple[li
             break
         if budget is not None and total + n > budget:
             break
+        problems = []
         for split in ("train", "val"):
             if c[split]:
-                check_shard(out_dir, c[split], meta["dtype"], checksum=False)
+                try:
+                    check_shard(out_dir, c[split], meta["dtype"], checksum=cfg.verify)
+                except ValueError as e:
+                    problems.append(str(e).split(";")[0])
+        if problems:
+            print(f"prepare: {'; '.join(problems)}: tokenising chunk {c['index']} again", file=sys.stderr)
+            if c["truncated"]:  # the budget's last chunk: recomputed with everything after it
+                break
+            damaged.append(c)
         chunks.append(c)
         total += n
     unchanged = len(chunks) == len(meta["chunks"])
-    return chunks, bool(meta.get("exhausted")) and unchanged, (
-        unchanged and bool(meta.get("complete")) and meta.get("max_tokens") == cfg.max_tokens)
+    return chunks, damaged, bool(meta.get("exhausted")) and unchanged, (
+        unchanged and not damaged and bool(meta.get("complete")) and meta.get("max_tokens") == cfg.max_tokens)
+
+
+def _task_base(cfg: PrepareConfig, dtype: str, out_dir: Path) -> dict:
+    """The fields every `_tokenize_chunk` task shares."""
+    return {"out_dir": str(out_dir), "dtype": dtype, "add_bos": cfg.add_bos, "val_fraction": cfg.val_fraction,
+            "val_key": derive_key(cfg.seed, _VAL_SALT)}
+
+
+def _rebuild(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str, out_dir: Path,
+             chunk: dict) -> None:
+    """Tokenise one untruncated chunk again (its shards are rewritten); its checksums must match `meta.json`."""
+    texts = list(islice(source.documents(chunk["first_document"]), chunk["documents"]))
+    _init_worker(tok)
+    res = _tokenize_chunk({**_task_base(cfg, dtype, out_dir), "index": chunk["index"],
+                           "first_document": chunk["first_document"], "texts": texts})
+    for split in ("train", "val"):
+        got, want = (None if e is None else e["sha256"] for e in (res[split], chunk[split]))
+        if got != want:
+            raise ValueError(f"chunk {chunk['index']} of {out_dir} tokenised again differs from its meta.json entry "
+                             "(the source changed since); rebuild the directory with overwrite=true")
 
 
 def prepare(cfg: PrepareConfig) -> Path:
@@ -243,7 +274,9 @@ def prepare(cfg: PrepareConfig) -> Path:
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg)
     identity = _content_identity(tok, source, cfg, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chunks, exhausted, finished = _resume_state(out_dir, identity, cfg)
+    chunks, damaged, exhausted, finished = _resume_state(out_dir, identity, cfg)
+    for chunk in damaged:
+        _rebuild(cfg, tok, source, dtype, out_dir, chunk)
     if finished:  # read-only: safe for several processes (e.g. ranks after the main one prepared)
         return out_dir
     meta = {"format": FORMAT, "version": VERSION, "complete": False, **identity, "max_tokens": cfg.max_tokens,
@@ -275,8 +308,7 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
     next_index = chunks[-1]["index"] + 1 if chunks else 0
     workers = cfg.num_workers or len(os.sched_getaffinity(0))
     docs = source.documents(next_doc)
-    base = {"out_dir": str(out_dir), "dtype": dtype, "add_bos": cfg.add_bos, "val_fraction": cfg.val_fraction,
-            "val_key": derive_key(cfg.seed, _VAL_SALT)}
+    base = _task_base(cfg, dtype, out_dir)
     if cfg.add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=true but tokenizer {tok.name!r} has no BOS token; use add_bos=false")
     bar = tqdm(total=budget, initial=meta["counts"]["train_tokens"], unit="tok", unit_scale=True,

@@ -14,8 +14,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 META = "meta.json"
 FORMAT = "kdn-token-shards"
@@ -107,13 +111,13 @@ def check_shard(shard_dir: Path, entry: dict, dtype: str, checksum: bool) -> Pat
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     if size % itemsize:
         raise ValueError(f"shard {path} has {size} bytes, not a multiple of {dtype}'s {itemsize}: it is truncated or "
-                         "not a token shard; delete it and rerun python -m data.prepare to rebuild it")
+                         "not a token shard; rerun python -m data.prepare with the same settings to rebuild it")
     if size != entry["tokens"] * itemsize:
-        raise ValueError(f"shard {path} holds {size // itemsize} tokens but meta.json says {entry['tokens']}; delete "
-                         "it and rerun python -m data.prepare to rebuild it")
+        raise ValueError(f"shard {path} holds {size // itemsize} tokens but meta.json says {entry['tokens']}; rerun "
+                         "python -m data.prepare with the same settings to rebuild it")
     if checksum and sha256_file(path) != entry["sha256"]:
-        raise ValueError(f"shard {path} fails its SHA-256 checksum (corrupted copy?); delete it and rerun "
-                         "python -m data.prepare to rebuild it")
+        raise ValueError(f"shard {path} fails its SHA-256 checksum (corrupted copy?); rerun python -m data.prepare "
+                         "with the same settings and verify=true (train.py: data.prepare.verify=true) to rebuild it")
     return path
 
 
@@ -123,3 +127,18 @@ def data_fingerprint(meta: dict, split: str) -> str:
     for e in split_shards(meta, split):
         h.update(e["sha256"].encode())
     return h.hexdigest()
+
+
+def check_tokenizer(shard_dir: str | os.PathLike, tokenizer: Tokenizer) -> dict:
+    """Raise a ValueError naming both fingerprints unless ``tokenizer`` is the one the shards were made with
+    (same vocabulary fingerprint, size and EOS id); returns the shards' ``meta.json``."""
+    meta = read_meta(shard_dir)
+    want, got = meta["tokenizer"], tokenizer.describe()
+    keys = ("fingerprint", "vocab_size", "eos_id")
+    if any(want.get(k) != got[k] for k in keys):
+        def show(t: dict) -> str:
+            return f"{t.get('name')} (vocab {t.get('vocab_size')}, fingerprint {str(t.get('fingerprint'))[:16]})"
+
+        raise ValueError(f"tokenizer {show(got)} is not the one {shard_dir} was prepared with, {show(want)}; load "
+                         f"that tokenizer, or prepare the data again with tokenizer={got['name']}")
+    return meta

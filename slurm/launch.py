@@ -89,7 +89,8 @@ def default_nproc() -> int:
 
 def run(script: list[str], rdzv: Rendezvous) -> int:
     """Start ``python SCRIPT ...`` once per local rank, forward signals, return the job's exit code: 0 when every
-    process succeeded, 75 when they stopped for a requeue, else the first failure's code."""
+    process succeeded, 75 when they stopped for a requeue, else the first failure's code (128 + N for a process
+    killed by signal N)."""
     procs: list[subprocess.Popen] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -101,7 +102,7 @@ def run(script: list[str], rdzv: Rendezvous) -> int:
         signal.signal(sig, forward)
     for r in range(rdzv.nproc_per_node):
         procs.append(subprocess.Popen([sys.executable, *script], env={**os.environ, **rdzv.env(r)}))
-    codes = [p.wait() for p in procs]
+    codes = [c if (c := p.wait()) >= 0 else 128 - c for p in procs]  # a signal death as the shell reports it
     if all(c == 0 for c in codes):
         return 0
     if all(c in (0, REQUEUE_EXIT_CODE) for c in codes):

@@ -8,7 +8,8 @@
 set -uo pipefail
 REQUEUE_EXIT_CODE=75  # trainer.preemption.REQUEUE_EXIT_CODE
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
-trap 'echo "batch shell: got a signal; waiting for the tasks to checkpoint"' TERM USR1
+signalled=0
+trap 'signalled=1; echo "batch shell: got a signal; waiting for the tasks to checkpoint"' TERM USR1
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$@" &
 pid=$!
 while :; do
@@ -16,6 +17,10 @@ while :; do
   rc=$?
   kill -0 "$pid" 2>/dev/null || break  # wait returned early because of a trapped signal
 done
+# A task killed by the signal before Python installed its handlers ends with 128 + the signal's number: USR1 (10),
+# USR2 (12) or TERM (15) requeue too, and so does any signal death after this shell was signalled.
+case "$rc" in 138|140|143) rc=$REQUEUE_EXIT_CODE ;; esac
+if [ "$signalled" -eq 1 ] && [ "$rc" -gt 128 ]; then rc=$REQUEUE_EXIT_CODE; fi
 if [ "$rc" -eq "$REQUEUE_EXIT_CODE" ]; then
   restarts=${SLURM_RESTART_COUNT:-0}
   if [ "$restarts" -ge "${KDN_MAX_REQUEUES:-100}" ]; then

@@ -158,7 +158,8 @@ def test_cli_rejects_bad_values_in_one_line() -> None:
 
 def test_multirun_sweep_gives_each_job_its_run_dir(tmp_path: Path) -> None:
     shards = tmp_path / "shards"
-    out = _cli("-m", "model=toy", "logging=quiet", f"runs_root={tmp_path}", "data.seq_len=64",
+    out = _cli("-m", "name=toy_recurrent_kdn_diag", "model=toy", "logging=quiet", f"runs_root={tmp_path}",
+               "data.seq_len=64",
                "trainer.micro_batch_size=2", "trainer.global_batch_tokens=128", "trainer.max_steps=1",
                "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.export=false",
                f"data.prepare.out_dir={shards}", "data.prepare.max_tokens=20000", "mixer.mu=1,dk")

@@ -139,9 +139,9 @@ def test_checkpoints_are_atomic_pruned_and_restore_exactly(tmp_path) -> None:
         opt.zero_grad()
         ck.save(acc, TrainState(step=step, tokens_seen=24 * step, wandb_id="abc", loader={"pos": step}))
     assert [p.name for p in ck.complete()] == ["step_000000002", "step_000000003"]
-    # an interrupted save leaves a .tmp dir without train_state.json: never picked, cleaned by the next save
+    # an interrupted save leaves a .tmp dir: never picked, left by other saves, cleaned at start-up (run lock held)
     (tmp_path / "ck" / ".tmp_step_000000004").mkdir()
-    (tmp_path / "ck" / "step_000000009").mkdir()  # no state file: incomplete, ignored
+    (tmp_path / "ck" / "step_000000009").mkdir()  # no manifest: incomplete, ignored
     assert ck.latest().name == "step_000000003"
     saved = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     exp_avg = opt.state_dict()["state"][0]["exp_avg"].clone()
@@ -157,6 +157,8 @@ def test_checkpoints_are_atomic_pruned_and_restore_exactly(tmp_path) -> None:
         assert torch.equal(v, saved[k]), k
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], exp_avg)
     ck.save(acc, TrainState(step=4))
+    assert (tmp_path / "ck" / ".tmp_step_000000004").exists()
+    ck.remove_stale_temps()
     assert not (tmp_path / "ck" / ".tmp_step_000000004").exists()
     bad = json.loads((ck.latest() / STATE_FILE).read_text()) | {"world_size": 2}
     (ck.latest() / STATE_FILE).write_text(json.dumps(bad))

@@ -1,17 +1,23 @@
 """Atomic, resumable checkpoints and the Hugging Face export.
 
 A checkpoint is a directory ``<run_dir>/checkpoints/step_<9 digits>/`` holding accelerate's state
-(model, optimiser, RNG states of every process; sharded under FSDP) and ``train_state.json`` (step,
-tokens seen, scheduler, the data loader's global cursor, the wandb run id). It is
-written under ``.tmp_step_*`` and renamed once complete, so a directory named ``step_*`` is always
-whole; only the newest ``keep_last`` are kept.
+(model, optimiser, RNG states of every process; sharded under FSDP), ``train_state.json`` (step,
+tokens seen, scheduler, the data loader's global cursor, the wandb run id) and, written last,
+``manifest.json`` (every other file's size and SHA-256). It is written under ``.tmp_step_<step>.<token>``
+(the token names the saving run; a save removes only its own temp directory) and renamed once complete.
+A directory without a readable manifest is not a checkpoint. A resume verifies the newest checkpoint's
+manifest; one that fails is set aside as ``step_*.corrupt`` with a warning naming the file, and the next
+newest intact one is used. Only the newest ``keep_last`` are kept, never deleting the one just written.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,10 @@ from accelerate import Accelerator
 from torch import nn
 
 STATE_FILE = "train_state.json"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger("train")
 
 
 @dataclass
@@ -36,60 +45,160 @@ class TrainState:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    """Write ``obj`` as JSON to ``path`` through a temp file, an fsync and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-class Checkpointer:
-    """Saves and finds the checkpoints of one run directory."""
+def _sha256(path: Path, block: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
 
-    def __init__(self, root: Path | str, keep_last: int) -> None:
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """SHA-256 of each file, several files at once (hashlib releases the GIL: model and optimiser in parallel)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def write_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
+    """Record every file under ``ckpt_dir`` (size, SHA-256) in its ``manifest.json``; returns the entries."""
+    paths = [p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "sha256": h}
+             for p, h in zip(paths, _sha256_all(paths))}
+    write_json_atomic(ckpt_dir / MANIFEST, {"files": files})
+    return files
+
+
+def verify(ckpt_dir: Path, checksum: bool = True) -> str | None:
+    """``None`` if every file of the manifest is there with its size (and, with ``checksum``, its SHA-256);
+    else one line naming the first file that fails."""
+    try:
+        files = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        return f"{ckpt_dir / MANIFEST} is missing or unreadable ({type(e).__name__})"
+    for name, entry in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if (size := path.stat().st_size) != entry["size"]:
+            return f"{path} has {size} bytes, the manifest says {entry['size']}"
+    if checksum:
+        paths = [ckpt_dir / name for name in files]
+        for path, entry, got in zip(paths, files.values(), _sha256_all(paths)):
+            if got != entry["sha256"]:
+                return f"{path} fails its SHA-256 checksum"
+    return None
+
+
+class Checkpointer:
+    """Saves, verifies and finds the checkpoints of one run directory.
+
+    Args:
+        root: ``<run_dir>/checkpoints``.
+        keep_last: how many of the newest checkpoints to keep.
+        token: names this run's temp directories; the same on every process.
+    """
+
+    def __init__(self, root: Path | str, keep_last: int, token: str = "") -> None:
         if keep_last < 1:
             raise ValueError(f"trainer.keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.token = token or f"{os.getpid()}"
 
     def complete(self) -> list[Path]:
-        """Finished checkpoints, oldest first."""
+        """Checkpoints with a manifest, oldest first (not verified)."""
         if not self.root.is_dir():
             return []
         found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+                 if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
-        """The newest finished checkpoint, or ``None``."""
+        """The newest checkpoint with a manifest, or ``None``."""
         done = self.complete()
         return done[-1] if done else None
+
+    def remove_stale_temps(self) -> None:
+        """Delete the temp directories of saves that never finished (call only while holding the run lock)."""
+        for stale in self.root.glob(".tmp_step_*") if self.root.is_dir() else ():
+            log.warning(f"removing {stale}, the remains of an interrupted save")
+            shutil.rmtree(stale)
+
+    def _find_intact(self) -> tuple[str, str]:
+        """(the newest intact checkpoint or "", an error when there were checkpoints and none is intact)."""
+        for p in self.root.glob("step_*") if self.root.is_dir() else ():
+            if _STEP_DIR.match(p.name) and p.is_dir() and not (p / MANIFEST).is_file():
+                log.warning(f"{p} has no {MANIFEST}: it is not a complete checkpoint and is ignored")
+        damaged = []
+        for path in reversed(self.complete()):
+            problem = verify(path)
+            if problem is None:
+                return str(path), ""
+            aside = path.with_name(path.name + ".corrupt")
+            if aside.exists():
+                aside = path.with_name(f"{path.name}.{self.token}.corrupt")
+            os.replace(path, aside)
+            damaged.append(aside.name)
+            log.warning(f"checkpoint {path} is damaged: {problem}; set aside as {aside}, trying the previous one")
+        if damaged:
+            return "", (f"every checkpoint in {self.root} is damaged (set aside as {', '.join(damaged)}); nothing "
+                        "to resume from: start over under another name=, or restore a checkpoint from a copy")
+        return "", ""
+
+    def resume_point(self, accelerator: Accelerator) -> Path | None:
+        """Collective: the newest checkpoint that passes its manifest (the main process verifies and tells the
+        others), or ``None`` when there is none. Damaged checkpoints are renamed ``step_*.corrupt`` with a warning;
+        a ``ValueError`` when every one is damaged (starting over would drop the run's records)."""
+        found = list(self._find_intact()) if accelerator.is_main_process else ["", ""]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(found)
+        if found[1]:
+            raise ValueError(found[1])
+        return Path(found[0]) if found[0] else None
 
     def save(self, accelerator: Accelerator, state: TrainState) -> Path:
         """Collective: every process calls it. Returns the final directory."""
         final = self.root / f"step_{state.step:09d}"
-        tmp = self.root / f".tmp_step_{state.step:09d}"
+        tmp = self.root / f".tmp_step_{state.step:09d}.{self.token}"
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp_step_*"):
-                shutil.rmtree(stale)
+            if tmp.exists():  # this run's own earlier attempt at the same step
+                shutil.rmtree(tmp)
             tmp.mkdir()
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp), safe_serialization=False)  # torch.save keeps tied weights as they are
-        accelerator.wait_for_everyone()  # every rank's files (its RNG states) are written before the rename
+        accelerator.wait_for_everyone()  # every rank's files (its RNG states) are written before the manifest
         if accelerator.is_main_process:
             write_json_atomic(tmp / STATE_FILE, asdict(state))
+            write_manifest(tmp)  # last: a directory with a manifest is complete
             if final.exists():  # re-saving the step we resumed from: replace it whole
                 shutil.rmtree(final)
             os.replace(tmp, final)
             for old in self.complete()[:-self.keep_last]:
-                shutil.rmtree(old)
+                if old != final:
+                    shutil.rmtree(old)
         accelerator.wait_for_everyone()
         return final
 
     @staticmethod
     def load(accelerator: Accelerator, path: Path, reshard: bool = False) -> TrainState:
         """Collective: restore model, optimiser and RNG states; return the ``TrainState``."""
-        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        try:
+            state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path / STATE_FILE} is unreadable ({e}); delete {path} to resume from the "
+                             "previous checkpoint") from None
         if state.world_size != accelerator.num_processes and not reshard:
             raise ValueError(
                 f"checkpoint {path} was written by {state.world_size} processes but this run has "

@@ -17,6 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.preemption import parse_signal
+from trainer.rundir import run_overrides
+
+# conf/config.yaml's default name appends the experiment-changing command-line overrides: ${run_overrides:}
+OmegaConf.register_new_resolver("run_overrides", run_overrides, replace=True)
 
 KDN_MIXERS = ("kdn_diag", "kdn_iso")
 
@@ -88,6 +92,7 @@ class TrainerConfig:
     reshard: bool = False  # allow resuming on another world size (same global data cursor; not bit-exact)
     recompute_states: bool = False  # CUDA: the delta-rule memories' backward recomputes what their forward could keep
     # (passed to the model config's recompute_states)
+    check_weights_every: int = 1  # steps between checks that the updated weights are finite (0: only before saves)
 
 
 @dataclass
@@ -117,6 +122,7 @@ class TrainConfig:
     name: str = "run"
     runs_root: str = "runs"
     run_dir: str = "runs/run"
+    resume: str = "auto"  # auto: resume only the same experiment (trainer.rundir); force: adopt the changed config
     seed: int = 0  # model initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
     mixer: MixerConfig = field(default_factory=MixerConfig)
@@ -220,6 +226,8 @@ def _check_mixer(m: MixerConfig) -> None:
 
 def _check_numbers(c: TrainConfig) -> None:
     o, t = c.optim, c.trainer
+    for key in ("lr", "eps", "weight_decay"):
+        _require(math.isfinite(getattr(o, key)), f"optim.{key}", f"must be a finite number, got {getattr(o, key)}")
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
              f"must be two numbers in [0, 1), got {o.betas}")
@@ -236,6 +244,9 @@ def _check_numbers(c: TrainConfig) -> None:
     _require(t.eval_every >= 0, "trainer.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
     _require(t.ckpt_every >= -1, "trainer.ckpt_every",
              f"must be >= -1 (0 = only at the end, -1 = only on preemption), got {t.ckpt_every}")
+    _require(t.check_weights_every >= 0, "trainer.check_weights_every",
+             f"must be >= 0 (0 = only before checkpoints), got {t.check_weights_every}")
+    _choice(c.resume, "resume", ("auto", "force"))
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be > 0 or null, got {t.peak_flops}")
     _choice(t.distributed, "trainer.distributed", ("ddp", "fsdp"))
     _choice(t.precision, "trainer.precision", ("auto", "bf16", "fp32"))

@@ -3,7 +3,8 @@
 Every record is one JSON object per line in ``<run_dir>/metrics.jsonl`` with at least ``step``;
 training records add ``loss, lr, grad_norm, tokens, tokens_per_s, tokens_per_s_per_device, mfu,
 eta_s`` (and ``peak_mem_gib`` on CUDA; the speed fields are ``null`` for an interval that held profiled steps,
-``logging.profile``), validation records ``val_loss``.
+``logging.profile``), validation records ``val_loss``, and events (``event``: e.g. ``resume_force`` with the
+adopted ``changes``) neither.
 """
 from __future__ import annotations
 
@@ -43,13 +44,30 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file. A torn last line (a crash mid-write) is dropped with a warning; an
+    unreadable line before it raises a ``ValueError`` naming the file and line."""
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise ValueError(f"{path}:{i} is not a JSON record; repair or delete that line") from None
+            log.warning(f"{path}:{i}: dropping a torn last line (the run stopped while writing it)")
+    return rows
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop records with ``step > last_step`` (written after the checkpoint we resume from)."""
+    """Drop records with ``step > last_step`` (written after the checkpoint we resume from) and a torn last line."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)
 
 
@@ -107,6 +125,13 @@ class MetricLogger:
             self.bar.set_postfix_str(fields, refresh=False)
         else:
             log.info(f"step {record['step']} | {fields} | eta {format_eta(math.nan if eta is None else eta)}")
+
+    def event(self, record: dict[str, Any]) -> None:
+        """Append a record that is neither training nor validation (``step``, ``event`` and its fields)."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
     def advance(self, step: int) -> None:
         """Move the progress bar to ``step``."""

@@ -52,3 +52,36 @@ def build_scheduler(
     """``LambdaLR`` over ``warmup_cosine``; its ``state_dict()`` is JSON-able (the lambda is a partial)."""
     fn = partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
     return LambdaLR(optimizer, fn)
+
+
+def adopt_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, *, lr: float,
+                          betas: tuple[float, float], weight_decay: float, eps: float) -> None:
+    """After loading a checkpoint (``resume=force``): replace the restored peak LR, betas, eps and weight decay
+    (the decayed group of ``param_groups`` takes ``weight_decay``, the other 0) by the given ones."""
+    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0)):
+        group.update(initial_lr=lr, betas=betas, eps=eps, weight_decay=decay)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    sync_lr(optimizer, scheduler)
+
+
+def sync_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
+    """Set each group's LR from the scheduler's current step, peak LR and lambda (as ``scheduler.step()`` does), so
+    that a schedule rebuilt for a resume (another step count, ``resume=force``) applies from its first step."""
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() returns
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """0-d bool tensor: whether every element of ``tensors`` is finite. One fused max-abs reduction per dtype and
+    device (``torch._foreach_norm`` with ord inf: NaN and Inf propagate, finite values cannot overflow), no sync.
+    Sharded (DTensor) parameters are checked on their local shard."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [t.detach() for t in local if t.numel()]
+    if not local:
+        return torch.ones((), dtype=torch.bool)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for norm in torch._foreach_norm(local, float("inf")):
+        groups.setdefault((norm.dtype, norm.device), []).append(norm)
+    device = local[0].device
+    return torch.stack([torch.stack(g).isfinite().all().to(device) for g in groups.values()]).all()

@@ -3,7 +3,8 @@
 SLURM sends ``SIGUSR1`` before the time limit (``#SBATCH --signal=USR1@180``) and ``SIGTERM`` on
 preemption. After the checkpoint, ``handoff`` calls the handler that was installed before ours
 (submitit's requeue handler under the Hydra submitit launcher) and then exits with
-``REQUEUE_EXIT_CODE``, which ``slurm/train.sbatch`` turns into ``scontrol requeue``.
+``REQUEUE_EXIT_CODE``, which ``slurm/train.sbatch`` turns into ``scontrol requeue``. Before that,
+``exit_on_signals`` covers the start-up: a signal during the imports exits with the same code.
 """
 from __future__ import annotations
 
@@ -60,3 +61,14 @@ class Preemption:
         if callable(previous):
             previous(int(self.received), None)
         raise SystemExit(REQUEUE_EXIT_CODE)
+
+
+def exit_on_signals(signals: Sequence[str] = ("SIGUSR1", "SIGUSR2", "SIGTERM")) -> None:
+    """Make each of ``signals`` exit at once with ``REQUEUE_EXIT_CODE`` until a ``Preemption`` takes over (and
+    again after it restores them). For a launcher script's start-up, before its heavy imports: there is nothing
+    to save yet, and a requeue resumes from the run directory."""
+    def _exit(signum: int, frame: FrameType | None) -> NoReturn:
+        raise SystemExit(REQUEUE_EXIT_CODE)
+
+    for name in signals:
+        signal.signal(parse_signal(name), _exit)

@@ -9,13 +9,13 @@ compilation).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import write_json_atomic
+from trainer.metrics import read_jsonl
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -23,7 +23,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory written by train.py")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    rows = read_jsonl(path)
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 

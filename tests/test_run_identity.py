@@ -1,0 +1,183 @@
+"""A run directory is one experiment: default names, the fingerprint check, resume=force, and the run lock."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from toy_run import ROOT, TOY, losses, make_cfg, rows, run_train, shard_overrides
+
+from trainer.optim import warmup_cosine
+from trainer.rundir import LOCK_FILE, RunDirError, RunLock, differences, fingerprint, name_suffix
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
+
+
+def _name(overrides: list[str]) -> str:
+    """The resolved default name inside a Hydra job with these command-line overrides."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            return str(cfg.name)
+        finally:
+            HydraConfig.instance().cfg = None
+
+
+def test_default_name_holds_the_experiment_changing_overrides() -> None:
+    assert _name([]) == "small_recurrent_kdn_diag"
+    mu1, mudk = _name(["mixer.mu=1"]), _name(["mixer.mu=dk"])
+    assert mu1 == "small_recurrent_kdn_diag_mixer.mu=1" and mudk != mu1
+    # bookkeeping overrides and the choices already in the name leave it alone; the order does not matter
+    assert _name(["trainer.max_steps=3", "mixer.mu=1", "logging=quiet", "trainer.stop_after=2", "resume=force",
+                  "logging.log_every=5", "trainer.ckpt_every=7", "trainer.eval_every=1"]) == mu1
+    assert _name(["optim.lr=1e-3", "mixer.mu=1", "model=toy"]) == _name(["model=toy", "mixer.mu=1", "optim.lr=1e-3"])
+    assert _name(["model=toy", "mixer=kda"]) == "toy_recurrent_kda"
+    path = name_suffix(["data.prepare.out_dir=/scratch/a b/shards"])
+    assert "/" not in path and " " not in path
+    long = name_suffix([f"model.overrides.k{i}={i}" for i in range(40)])
+    assert len(long) <= 121 and long != name_suffix([f"model.overrides.k{i}={i}" for i in range(41)])
+    assert _name(["experiment=table4_mu_1", "optim.lr=1e-3"]) == "table4_mu_1"  # presets name themselves
+
+
+def test_fingerprint_ignores_resumable_keys_and_names_the_rest() -> None:
+    from dataclasses import asdict
+
+    a = asdict(make_cfg(["model=toy", "mixer.mu=dk"]))
+    b = asdict(make_cfg(["model=toy", "mixer.mu=dk", "trainer.max_steps=9", "logging=quiet", "run_dir=/x"]))
+    c = asdict(make_cfg(["model=toy", "mixer.mu=1", "optim.lr=1e-2"]))
+    assert fingerprint(a) == fingerprint(b) and differences(a, b) == {}
+    assert differences(a, c) == {"mixer.mu": ["dk", "1"], "optim.lr": [4e-4, 1e-2]}
+
+
+def test_another_experiment_is_refused_and_resume_force_adopts_it(tmp_path: Path, shards: list[str]) -> None:
+    run = tmp_path / "r"
+    common = TOY + shards + [f"run_dir={run}", "trainer.max_steps=6", "trainer.ckpt_every=0", "mixer.mu=dk",
+                             "optim.warmup_frac=0.5"]
+    run_train(common + ["trainer.stop_after=2"])
+    with pytest.raises(RunDirError, match=r"mixer\.mu: 'dk' -> '1'.*name=<new name>.*resume=force"):
+        run_train(common + ["mixer.mu=1"])
+    with pytest.raises(RunDirError, match=r"optim\.betas: \[0\.9, 0\.95\] -> \[0\.8, 0\.9\]; optim\.lr"):
+        run_train(common + ["optim.lr=1e-2", "optim.betas=[0.8,0.9]"])
+    assert [r["step"] for r in losses(run)] == [1, 2]  # the refusals trained nothing and kept the records
+
+    out = run_train(common + ["optim.lr=1e-2", "optim.betas=[0.8,0.9]", "resume=force", "trainer.stop_after=4"])
+    assert out["step"] == 4
+    recs = losses(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:  # steps 1-2 on the old peak LR, 3-4 on the new one, one schedule (warm-up 3 of 6 steps)
+        peak = 4e-4 if r["step"] <= 2 else 1e-2
+        assert r["lr"] == pytest.approx(peak * warmup_cosine(r["step"] - 1, warmup_steps=3, total_steps=6,
+                                                              min_ratio=0.1), rel=1e-12)
+    (event,) = [r for r in rows(run) if "event" in r]
+    assert event == {"step": 2, "event": "resume_force",
+                     "changes": {"optim.betas": [[0.9, 0.95], [0.8, 0.9]], "optim.lr": [4e-4, 1e-2]}}
+    opt = torch.load(out["checkpoint"] / "optimizer.bin", map_location="cpu", weights_only=True)
+    assert [(g["initial_lr"], tuple(g["betas"])) for g in opt["param_groups"]] == [(1e-2, (0.8, 0.9))] * 2
+    stored = json.loads((run / "fingerprint.json").read_text())["config"]
+    assert stored["optim"]["lr"] == 1e-2  # adopted: the same command now resumes without force
+    assert run_train(common + ["optim.lr=1e-2", "optim.betas=[0.8,0.9]"])["step"] == 6
+
+
+def _lock_of(pid: int, host: str | None = None, job: str | None = None) -> str:
+    return json.dumps({"pid": pid, "host": host or socket.gethostname(), "job": job, "token": "other"})
+
+
+def test_a_live_lock_refuses_and_a_stale_one_is_broken(tmp_path: Path, shards: list[str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "locked"
+    run.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (run / LOCK_FILE).write_text(_lock_of(other.pid))
+        args = TOY + shards + [f"run_dir={run}", "trainer.max_steps=1"]
+        with pytest.raises(RunDirError, match=rf"in use by pid {other.pid} on .*wait for that run to end"):
+            run_train(args)
+        assert not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
+    finally:
+        other.kill()
+        other.wait()
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert run_train(args)["finished"]
+    assert f"breaking the stale lock {run / LOCK_FILE} of pid {other.pid}" in caplog.text
+    assert not (run / LOCK_FILE).exists()  # released at the end
+
+
+def test_run_lock_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with RunLock(tmp_path):
+        with pytest.raises(RunDirError, match="in use by pid"):  # this live process
+            RunLock(tmp_path).acquire()
+    assert not (tmp_path / LOCK_FILE).exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(_lock_of(dead.pid, host="another-host"))
+    with pytest.raises(RunDirError, match="on another-host"):  # cannot tell whether it lives: refused
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    (tmp_path / LOCK_FILE).write_text(_lock_of(dead.pid, host="another-host", job="4242"))
+    with RunLock(tmp_path) as lock:  # an earlier run of the same (requeued) job
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lock.me["token"]
+    (tmp_path / LOCK_FILE).write_text("")  # a holder that died while writing it
+    with RunLock(tmp_path):
+        pass
+
+
+def test_cli_names_the_run_by_its_overrides_and_refuses_another_experiment_in_one_line(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from trainer.checkpoint import MANIFEST
+    from trainer.rundir import store_fingerprint
+
+    run = tmp_path / "toy_recurrent_kdn_diag_mixer.mu=1"  # what the default name gives for these overrides
+    (run / "checkpoints" / "step_000000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000000002" / MANIFEST).write_text('{"files": {}}')
+    store_fingerprint(run, asdict(make_cfg(["model=toy", "mixer.mu=1", "optim.lr=1e-3"])))
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "train.py", "model=toy", "mixer.mu=1", "logging=quiet",
+                           f"runs_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"run error: {run} holds another experiment (optim.lr: 0.001 -> 0.0004); start a new run with "
+        "name=<new name>, or add resume=force to continue this run with the new settings")
+    assert not (run / "config.yaml").exists() and not (run / LOCK_FILE).exists()
+
+
+def _race(run_dir: str, start: object, tried: object, results: object) -> None:
+    start.wait()
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+        results.put("took")
+    except RunDirError:
+        results.put("refused")
+    tried.wait()  # the holder keeps the lock until every process has tried
+    lock.release()
+
+
+def test_processes_racing_for_a_stale_lock_let_exactly_one_in(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(_lock_of(dead.pid))
+    ctx = mp.get_context("fork")
+    start, tried, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), start, tried, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    outcome = sorted(results.get(timeout=5) for _ in procs)
+    assert outcome == ["refused"] * 3 + ["took"]
+    assert not (tmp_path / LOCK_FILE).exists()

@@ -1,0 +1,63 @@
+"""A preemption signal during train.py's start-up exits 75 (requeue), and slurm/train.sbatch requeues on it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.preemption import REQUEUE_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc to see the imports progress")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_the_imports_exits_75(sig: signal.Signals) -> None:
+    # a bad key: a process that got past its imports would exit 1 with a config error instead
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "train.py", "trainer.max_stepz=1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not _importing_torch(proc.pid):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-2000:]
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:]
+    assert "max_stepz" not in out
+
+
+def _sbatch(tmp_path: Path, srun_body: str) -> tuple[int, str]:
+    """Run slurm/train.sbatch with stand-ins for srun and scontrol; returns its exit code and scontrol's calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {calls}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_SUBMIT_DIR": str(ROOT)}
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "model=toy"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, calls.read_text() if calls.is_file() else ""
+
+
+def test_sbatch_requeues_on_75_and_on_a_task_killed_by_a_preemption_signal(tmp_path: Path) -> None:
+    assert _sbatch(tmp_path / "a", f"exit {REQUEUE_EXIT_CODE}") == (REQUEUE_EXIT_CODE, "requeue 4242\n")
+    assert _sbatch(tmp_path / "b", "kill -TERM $$") == (143, "requeue 4242\n")  # died before its handlers
+    assert _sbatch(tmp_path / "c", "kill -USR1 $$") == (138, "requeue 4242\n")
+    assert _sbatch(tmp_path / "d", "exit 0") == (0, "")
+    assert _sbatch(tmp_path / "e", "exit 1") == (1, "")  # a failure is not requeued
