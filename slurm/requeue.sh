@@ -19,9 +19,10 @@ while :; do
 done
 # A task killed by the signal before Python installed its handlers ends with 128 + the signal's number: USR1 (10),
 # USR2 (12) or TERM (15) requeue too, and so does any signal death after this shell was signalled.
-case "$rc" in 138|140|143) rc=$REQUEUE_EXIT_CODE ;; esac
-if [ "$signalled" -eq 1 ] && [ "$rc" -gt 128 ]; then rc=$REQUEUE_EXIT_CODE; fi
-if [ "$rc" -eq "$REQUEUE_EXIT_CODE" ]; then
+requeue=0
+case "$rc" in "$REQUEUE_EXIT_CODE"|138|140|143) requeue=1 ;; esac
+if [ "$signalled" -eq 1 ] && [ "$rc" -gt 128 ]; then requeue=1; fi
+if [ "$requeue" -eq 1 ]; then
   restarts=${SLURM_RESTART_COUNT:-0}
   if [ "$restarts" -ge "${KDN_MAX_REQUEUES:-100}" ]; then
     echo "not requeueing job ${SLURM_JOB_ID}: requeued $restarts times already (KDN_MAX_REQUEUES)"
