@@ -130,21 +130,28 @@ def test_gradcheck_across_chunk_boundaries(isotropic: bool) -> None:
 
 
 @pytest.mark.parametrize("isotropic", [False, True])
-@pytest.mark.parametrize("regime", ["strong_forgetting", "no_forgetting"])
+@pytest.mark.parametrize("regime", ["strong_forgetting", "no_forgetting", "collapsing_uncertainty"])
 def test_long_sequence_stays_finite_and_exact(isotropic: bool, regime: str) -> None:
+    """FP32 over 4096 tokens against the float64 recurrence from a random initial state. With process noise the
+    uncertainty does not collapse, so every token keeps writing; without noise and forgetting it shrinks as 1/t.
+    The last 256 tokens are compared on their own, so that an error confined to late tokens is not diluted."""
     B, T, H, K, V = 1, 4096, 2, 8, 4
     x = make_inputs(B, T, H, K, V, isotropic=isotropic, seed=9, g_min=-12.0)
-    if regime == "no_forgetting":
+    if regime != "strong_forgetting":
         x["g"] = torch.zeros_like(x["g"])
-    x["omega"] = torch.zeros_like(x["omega"])
+    if regime == "collapsing_uncertainty":
+        x["omega"] = torch.zeros_like(x["omega"])
+    assert (x["omega"].min() > 0) == (regime != "collapsing_uncertainty")
     mu = torch.full((H,), float(K), dtype=f64)
-    state = (torch.zeros(B, H, K, V, dtype=f64), torch.ones((B, H) if isotropic else (B, H, K), dtype=f64))
-    o_ref, (S_ref, _) = _reference(isotropic, x, mu, state)
+    state = make_state(B, H, K, V, isotropic=isotropic, seed=10)
+    o_ref, (S_ref, p_ref) = _reference(isotropic, x, mu, state)
     x32 = {n: t.float() for n, t in x.items()}
-    o, (S, p) = _api(isotropic)(**x32, output_final_state=True)
+    o, (S, p) = _api(isotropic)(**x32, initial_state=tuple(s.float() for s in state), output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(S).all() and torch.isfinite(p).all()
-    assert rel_err(o, o_ref) < 1e-4
-    assert rel_err(S, S_ref) < 1e-4
+    assert rel_err(o, o_ref) < 1e-5
+    assert rel_err(o[:, -256:], o_ref[:, -256:]) < 1e-5
+    assert rel_err(S, S_ref) < 1e-5
+    assert rel_err(p, p_ref) < 1e-5
 
 
 @pytest.mark.parametrize("isotropic", [False, True])
