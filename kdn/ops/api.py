@@ -305,7 +305,19 @@ def diagonal_kdn_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Diagonal KDN gains alone: ``kappa [B,T,H,K]`` and, if asked, the final ``p [B,H,K]``."""
+    """Diagonal KDN gains alone (docs/math.md §3), the chunked Möbius scan in PyTorch (any device).
+
+    Args:
+        k, g, omega: ``[B,T,H,K]``; r: ``[B,T,H]``; mu: float or ``[H]`` (default ``K``).
+        initial_state: ``p0 [B,H,K]`` (default ones). output_final_state: return the final ``p``.
+
+    Returns:
+        ``kappa [B,T,H,K]`` and, if asked, the final ``p [B,H,K]`` (FP32, float64 for float64 ``k``).
+
+    Example::
+
+        kappa, p = kdn.diagonal_kdn_gain(k, g, omega, r, output_final_state=True)
+    """
     kappa, p = _gain.diagonal_gain(*_gain_common(False, k, g, omega, r, mu, initial_state))
     return kappa, (p if output_final_state else None)
 
@@ -314,7 +326,12 @@ def isotropic_kdn_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Isotropic KDN gains alone: ``beta [B,T,H]`` (``kappa = beta k``) and the final ``b [B,H]``."""
+    """Isotropic KDN gains alone (docs/math.md §4): as :func:`diagonal_kdn_gain` with ``omega [B,T,H]`` and
+    ``initial_state = b0 [B,H]``.
+
+    Returns:
+        ``beta [B,T,H]`` (``kappa = beta k``) and, if asked, the final ``b [B,H]``.
+    """
     beta, b = _gain.isotropic_gain(*_gain_common(True, k, g, omega, r, mu, initial_state))
     return beta, (b if output_final_state else None)
 
@@ -357,9 +374,20 @@ def diagonal_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
     mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
-    """One decoding token of Diagonal KDN: ``q, k, g, omega [B,H,K]``, ``v [B,H,V]``, ``r [B,H]``,
-    ``state = (S [B,H,K,V], p [B,H,K])``. Returns ``o [B,H,V]`` and the new state. On CUDA without
-    autograd it runs one fused Triton kernel. ``validate`` as in :func:`diagonal_kdn`."""
+    """One decoding token of Diagonal KDN (docs/math.md §3). On CUDA without autograd it runs one fused Triton
+    kernel (:func:`kdn.ops.fused_recurrent.fused_recurrent_diagonal_kdn`), else the PyTorch step.
+
+    Args:
+        q, k, g, omega: ``[B,H,K]``; v: ``[B,H,V]``; r: ``[B,H]``; state: ``(S [B,H,K,V], p [B,H,K])``.
+        mu: float or ``[H]`` (default ``K``). validate: as in :func:`diagonal_kdn`.
+
+    Returns:
+        ``o [B,H,V]`` in ``v``'s dtype and the new state.
+
+    Example::
+
+        o, state = kdn.diagonal_kdn_step(q[:, -1], k[:, -1], v[:, -1], g[:, -1], omega[:, -1], r[:, -1], state)
+    """
     return _step(False, q, k, v, g, omega, r, state, mu, validate)
 
 
@@ -367,7 +395,8 @@ def isotropic_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
     mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
-    """One decoding token of Isotropic KDN: ``omega, r [B,H]``, ``state = (S, b [B,H])``."""
+    """One decoding token of Isotropic KDN (docs/math.md §4): as :func:`diagonal_kdn_step` with ``omega, r [B,H]``
+    and ``state = (S [B,H,K,V], b [B,H])``. Returns ``o [B,H,V]`` and the new state."""
     return _step(True, q, k, v, g, omega, r, state, mu, validate)
 
 
@@ -377,8 +406,19 @@ def exact_kalman_memory(
 ) -> tuple[Tensor, State | None]:
     """Exact Kalman associative memory with dense covariance (docs/math.md §2), O(K^2) state per head.
 
-    ``omega [B,T,H,K]`` is the diagonal of the process noise; state ``(S [B,H,K,V], P [B,H,K,K])``,
-    default ``S = 0``, ``P = I``. A reference: token-by-token, for tests and small probes.
+    A reference: token-by-token, for tests and small probes.
+
+    Args:
+        q, k, g: ``[B,T,H,K]``; v: ``[B,T,H,V]``; omega: ``[B,T,H,K]``, the diagonal of the process noise;
+            r: ``[B,T,H]``.
+        initial_state: ``(S [B,H,K,V], P [B,H,K,K])`` (default ``S = 0``, ``P = I``).
+
+    Returns:
+        ``o [B,T,H,V]`` and, if ``output_final_state``, the final ``(S, P)``.
+
+    Example::
+
+        o, (S, P) = kdn.exact_kalman_memory(q, k, v, g, omega, r, output_final_state=True)
     """
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic=False)
     dt = _compute_dtype(v)
