@@ -7,6 +7,11 @@ Triton step, :mod:`kdn.ops.fused_recurrent`, on CUDA without autograd; else :mod
 ``exact_kalman_memory`` the dense-covariance reference. Computation is in FP32 (float64 when given float64);
 outputs come back in ``v``'s dtype, states in the compute dtype. Every entry point takes the tensors
 ``q, k, v, g, omega, r`` first and its settings as keywords.
+
+Dtypes: the inputs may mix bf16, fp16 and FP32 (the layers pass bf16 ``q, k, v`` beside FP32 gates), all computed in
+FP32; float64 is the reference precision and must then be every input's dtype: a float64 tensor among lower-precision
+ones is refused rather than silently rounded. ``mu`` and the initial state are cast to the compute dtype. Every size
+(``B, T, H, K, V``) must be at least 1.
 """
 from __future__ import annotations
 
@@ -32,6 +37,25 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _check_dtypes(tensors: dict[str, Tensor]) -> None:
+    """Floating-point tensors, float64 for all of them or for none (see the module docstring)."""
+    for name, x in tensors.items():
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    f64 = [n for n, x in tensors.items() if x.dtype == torch.float64]
+    if f64 and len(f64) < len(tensors):
+        other = next(n for n in tensors if n not in f64)
+        raise ValueError(f"{f64[0]} is float64 but {other} is {tensors[other].dtype}: pass every tensor in float64 "
+                         "(the reference precision) or none (bf16/fp16/FP32 mix, computed in FP32)")
+
+
+def _check_sizes(names: str, shape: tuple[int, ...]) -> None:
+    """Every size at least 1: ``names`` spells the dims of ``shape``, e.g. ``"B,T,H,K"``."""
+    empty = [f"{n}=0" for n, s in zip(names.split(","), shape) if s == 0]
+    if empty:
+        raise ValueError(f"q has {', '.join(empty)} (shape [{names}] = {list(shape)}); every size must be at least 1")
+
+
 def _mu_tensor(mu: float | Tensor | None, H: int, K: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``mu`` as an ``[H]`` tensor of ``dtype`` (on ``device`` unless given as a tensor); default ``K``."""
     if mu is None:
@@ -54,6 +78,7 @@ def _check_inputs(
     B, T, H, K = q.shape
     if T == 0:
         raise ValueError("q has T=0 tokens; pass at least one token")
+    _check_sizes("B,T,H,K", (B, T, H, K))
     check_shape("k", k, (B, T, H, K), "B,T,H,K")
     if not isinstance(v, Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
         raise ValueError(f"v has shape {list(getattr(v, 'shape', []))}, expected [B,T,H,V] = [{B}, {T}, {H}, V]")
@@ -63,9 +88,9 @@ def _check_inputs(
     else:
         check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
     check_shape("r", r, (B, T, H), "B,T,H")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("omega", omega), ("r", r)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if v.shape[-1] == 0:
+        raise ValueError("v has V=0 value channels; every size must be at least 1")
+    _check_dtypes({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r})
     return B, T, H, K, v.shape[-1]
 
 
@@ -282,12 +307,15 @@ def _gain_common(
     if not isinstance(k, Tensor) or k.dim() != 4:
         raise ValueError(f"k must be a [B,T,H,K] tensor, got shape {getattr(k, 'shape', None)}")
     B, T, H, K = k.shape
+    if 0 in (B, T, H, K):
+        raise ValueError(f"k has shape [B,T,H,K] = {list(k.shape)}; every size must be at least 1")
     check_shape("g", g, (B, T, H, K), "B,T,H,K")
     if isotropic:
         check_shape("omega", omega, (B, T, H), "B,T,H")
     else:
         check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
     check_shape("r", r, (B, T, H), "B,T,H")
+    _check_dtypes({"k": k, "g": g, "omega": omega, "r": r})
     dt = _compute_dtype(k)
     mu_t = _mu_tensor(mu, H, K, dt, k.device)
     if initial_state is None:
@@ -343,6 +371,7 @@ def _step(
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a one-token [B,H,K] tensor, got shape {getattr(q, 'shape', None)}")
     B, H, K = q.shape
+    _check_sizes("B,H,K", (B, H, K))
     check_shape("k", k, (B, H, K), "B,H,K")
     check_shape("g", g, (B, H, K), "B,H,K")
     if not isinstance(v, Tensor) or v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
@@ -352,6 +381,9 @@ def _step(
     S, p = state
     check_shape("state[0] (S)", S, (B, H, K, v.shape[-1]), "B,H,K,V")
     check_shape("state[1]", p, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
+    if v.shape[-1] == 0:
+        raise ValueError("v has V=0 value channels; every size must be at least 1")
+    _check_dtypes({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r})
     dt = _compute_dtype(v)
     mu_t = _mu_tensor(mu, H, K, dt, q.device)
     if validate and not torch.compiler.is_compiling():
