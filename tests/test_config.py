@@ -108,6 +108,23 @@ def test_ablations_are_plain_overrides() -> None:
     assert build_model_config(c, 32000).mixer_kwargs == {"window": None}
 
 
+def test_kernel_settings_reach_every_mixer_as_arguments() -> None:
+    """``trainer.recompute_states`` becomes the model config's field (no module global), ``model.overrides`` sets
+    ``fused``, and ``mixer.kwargs`` the Diagonal memory route; every mixer built from the config holds them."""
+    from models import build_model
+
+    c = cfg_of(["trainer.recompute_states=true", "+model.overrides.fused=false", "+mixer.kwargs.memory=dplr",
+                "+mixer.kwargs.chunk_size=32", "+model.overrides.num_layers=2"])
+    mc = build_model_config(c, 512)
+    assert (mc.recompute_states, mc.fused, mc.mixer_kwargs["memory"], mc.mixer_kwargs["chunk_size"]) == (
+        True, False, "dplr", 32)
+    mixer = build_model(mc).model.layers[0].mixer
+    assert (mixer.recompute_states, mixer.fused, mixer.memory, mixer.chunk_size) == (True, False, "dplr", 32)
+    assert build_model_config(cfg_of(["mixer=kda"]), 512).recompute_states is False
+    with pytest.raises(ConfigError, match="memory must be one of"):
+        cfg_of(["+mixer.kwargs.memory=bogus"])
+
+
 @pytest.mark.parametrize("overrides,prefix", [
     (["+trainer.max_stepz=3"], "trainer.max_stepz: unknown key (did you mean 'max_steps'?)"),
     (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),

@@ -115,12 +115,12 @@ def test_gradcheck_across_chunk_boundaries(isotropic: bool) -> None:
     def f(q, k, v, g, omega, r, S0, p0):  # noqa: ANN001, ANN202
         if isotropic:
             a, n = torch.exp(2 * g).mean(-1), (k * k).sum(-1)
-            b_prev, b_T = kgain.mobius_prev(a, omega, mu * n / (K * r), p0, chunk=4)
+            b_prev, b_T = kgain.mobius_prev(a, omega, mu * n / K, r, p0, chunk=4)
             b_hat = a * b_prev + omega
             kappa = (b_hat / (r + b_hat * n))[..., None] * k
         else:
             a = torch.exp(2 * g)
-            p_prev, b_T = kgain.mobius_prev(a, omega, mu[:, None] / r[..., None] * k * k, p0, chunk=4)
+            p_prev, b_T = kgain.mobius_prev(a, omega, mu[:, None] * k * k, r[..., None], p0, chunk=4)
             p_hat = a * p_prev + omega
             kappa = p_hat * k / (r + (p_hat * k * k).sum(-1))[..., None]
         o, S = kchunk.memory_chunk(q, k, kappa, v, g, S0, chunk=4)

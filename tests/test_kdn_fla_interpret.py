@@ -33,6 +33,7 @@ import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 import kdn
 from kdn.ops import triton as kt
+from kdn.ops.triton.safe_gate import safe_gate
 from kdn_inputs import make_inputs, make_state, rel_err
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
@@ -57,7 +58,7 @@ for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False
     sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
     errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
-    errs["safe_gate"] = float(bool(kt.safe_gate(l32["g"])))
+    errs["safe_gate"] = float(bool(safe_gate(l32["g"])))
     out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
     if with_S0 and not iso:  # the backward's recomputed WY terms and chunk states give the kept ones' gradients
         lr = {n: t.detach().clone().requires_grad_() for n, t in l32.items()}
@@ -126,7 +127,7 @@ def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
 def test_safe_gate_checks_fla_envelope() -> None:
     """fla's tensor-core diagonal blocks are taken only while no channel falls by more than 75 nats over 15
     consecutive tokens (checked on the steepest channel of each token, in any window)."""
-    from kdn.ops.triton import safe_gate
+    from kdn.ops.triton.safe_gate import safe_gate
 
     def gates(*runs: tuple[int, float], T: int = 64) -> torch.Tensor:
         g = -0.01 * torch.rand(2, T, 3, 8, generator=torch.Generator().manual_seed(0))
@@ -153,13 +154,13 @@ def test_safe_gate_checks_fla_envelope() -> None:
 
 STEEPEST = r"""
 import json, math, torch
-from kdn.ops.triton import safe_gate as sg
+from kdn.ops.triton.safe_gate import _steepest_triton
 out = {}
 for shape in ((2, 33, 3, 128), (1, 5, 2, 100), (3, 7, 1, 16)):
     g = -3 * torch.rand(shape, generator=torch.Generator().manual_seed(sum(shape)))
     rows = g.view(-1, shape[-1])
     rows[1, 4], rows[2, -1], rows[3, 0] = math.nan, -math.inf, -50.0
-    ours, ref = sg._steepest_triton(g), g.amin(-1).neg()
+    ours, ref = _steepest_triton(g), g.amin(-1).neg()
     out[str(shape)] = bool(torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.nan_to_num(), ref.nan_to_num()))
     out[str(shape) + " nan row"] = bool(ours.view(-1)[1].isnan() and ours.view(-1)[2] == math.inf)
 print(json.dumps(out))

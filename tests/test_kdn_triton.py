@@ -86,7 +86,7 @@ def test_triton_matches_float64_reference(isotropic: bool, K: int, H: int, T: in
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
 def test_triton_strong_forgetting(isotropic: bool) -> None:
     """Past fla's safe-gate envelope: the diagonal blocks go through fla's exact token loop."""
-    from kdn.ops.triton import safe_gate
+    from kdn.ops.triton.safe_gate import safe_gate
 
     case = _case(2, 1000, 4, 64, isotropic, seed=5, g_min=-12.0)
     assert not bool(safe_gate(case["g"].float()))
@@ -98,7 +98,7 @@ def test_triton_strong_forgetting(isotropic: bool) -> None:
 def test_triton_safe_gate_at_the_envelope_edge(isotropic: bool, T: int, H: int, K: int) -> None:
     """Gates down to -4.9 nats a token (a sub-chunk may fall by 73.5 of the 75 nats allowed): the diagonal blocks go
     through fla's tensor-core path (``kdn.ops.triton.safe_gate``), within the same tolerances."""
-    from kdn.ops.triton import safe_gate
+    from kdn.ops.triton.safe_gate import safe_gate
 
     case = _case(2, T, H, K, isotropic, seed=T + K + 3, g_min=-4.9)
     assert bool(safe_gate(case["g"].float()))

@@ -120,6 +120,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     from kdn.ops import triton as kt
     from kdn.ops.gate import kda_gate
     from kdn.ops.triton.memory import _AsymmetricMemory
+    from kdn.ops.triton.safe_gate import safe_gate
 
     names = ("q", "k", "v", "g", "omega", "r")
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=device)
@@ -138,7 +139,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
 
     def unfused(lv: dict[str, torch.Tensor], drop: bool) -> tuple[torch.Tensor, ...]:
         g = kda_gate(lv["g"], lv["A_log"], lv["dt_bias"]) if gate else lv["g"]
-        check = kt.safe_gate(g)
+        check = safe_gate(g)
         kappa, pT = kt.diagonal_gain(lv["k"], g, *(lv[n] for n in ("omega", "r", "mu", "u0")), dtype,
                                      cu_seqlens=cu, omega_softplus=softplus, segment_size=segment_size)
         k, g = (lv["k"].detach(), g.detach()) if drop else (lv["k"], g)

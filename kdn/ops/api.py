@@ -7,6 +7,11 @@ Triton step, :mod:`kdn.ops.fused_recurrent`, on CUDA without autograd; else :mod
 ``exact_kalman_memory`` the dense-covariance reference. Computation is in FP32 (float64 when given float64);
 outputs come back in ``v``'s dtype, states in the compute dtype. Every entry point takes the tensors
 ``q, k, v, g, omega, r`` first and its settings as keywords.
+
+Dtypes: the inputs may mix bf16, fp16 and FP32 (the layers pass bf16 ``q, k, v`` beside FP32 gates), all computed in
+FP32; float64 is the reference precision and must then be every input's dtype: a float64 tensor among lower-precision
+ones is refused rather than silently rounded. ``mu`` and the initial state are cast to the compute dtype. Every size
+(``B, T, H, K, V``) must be at least 1.
 """
 from __future__ import annotations
 
@@ -32,6 +37,25 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _check_dtypes(tensors: dict[str, Tensor]) -> None:
+    """Floating-point tensors, float64 for all of them or for none (see the module docstring)."""
+    for name, x in tensors.items():
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    f64 = [n for n, x in tensors.items() if x.dtype == torch.float64]
+    if f64 and len(f64) < len(tensors):
+        other = next(n for n in tensors if n not in f64)
+        raise ValueError(f"{f64[0]} is float64 but {other} is {tensors[other].dtype}: pass every tensor in float64 "
+                         "(the reference precision) or none (bf16/fp16/FP32 mix, computed in FP32)")
+
+
+def _check_sizes(names: str, shape: tuple[int, ...]) -> None:
+    """Every size at least 1: ``names`` spells the dims of ``shape``, e.g. ``"B,T,H,K"``."""
+    empty = [f"{n}=0" for n, s in zip(names.split(","), shape) if s == 0]
+    if empty:
+        raise ValueError(f"q has {', '.join(empty)} (shape [{names}] = {list(shape)}); every size must be at least 1")
+
+
 def _mu_tensor(mu: float | Tensor | None, H: int, K: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``mu`` as an ``[H]`` tensor of ``dtype`` (on ``device`` unless given as a tensor); default ``K``."""
     if mu is None:
@@ -54,6 +78,7 @@ def _check_inputs(
     B, T, H, K = q.shape
     if T == 0:
         raise ValueError("q has T=0 tokens; pass at least one token")
+    _check_sizes("B,T,H,K", (B, T, H, K))
     check_shape("k", k, (B, T, H, K), "B,T,H,K")
     if not isinstance(v, Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
         raise ValueError(f"v has shape {list(getattr(v, 'shape', []))}, expected [B,T,H,V] = [{B}, {T}, {H}, V]")
@@ -63,9 +88,9 @@ def _check_inputs(
     else:
         check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
     check_shape("r", r, (B, T, H), "B,T,H")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("omega", omega), ("r", r)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if v.shape[-1] == 0:
+        raise ValueError("v has V=0 value channels; every size must be at least 1")
+    _check_dtypes({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r})
     return B, T, H, K, v.shape[-1]
 
 
@@ -282,12 +307,15 @@ def _gain_common(
     if not isinstance(k, Tensor) or k.dim() != 4:
         raise ValueError(f"k must be a [B,T,H,K] tensor, got shape {getattr(k, 'shape', None)}")
     B, T, H, K = k.shape
+    if 0 in (B, T, H, K):
+        raise ValueError(f"k has shape [B,T,H,K] = {list(k.shape)}; every size must be at least 1")
     check_shape("g", g, (B, T, H, K), "B,T,H,K")
     if isotropic:
         check_shape("omega", omega, (B, T, H), "B,T,H")
     else:
         check_shape("omega", omega, (B, T, H, K), "B,T,H,K")
     check_shape("r", r, (B, T, H), "B,T,H")
+    _check_dtypes({"k": k, "g": g, "omega": omega, "r": r})
     dt = _compute_dtype(k)
     mu_t = _mu_tensor(mu, H, K, dt, k.device)
     if initial_state is None:
@@ -305,7 +333,19 @@ def diagonal_kdn_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Diagonal KDN gains alone: ``kappa [B,T,H,K]`` and, if asked, the final ``p [B,H,K]``."""
+    """Diagonal KDN gains alone (docs/math.md §3), the chunked Möbius scan in PyTorch (any device).
+
+    Args:
+        k, g, omega: ``[B,T,H,K]``; r: ``[B,T,H]``; mu: float or ``[H]`` (default ``K``).
+        initial_state: ``p0 [B,H,K]`` (default ones). output_final_state: return the final ``p``.
+
+    Returns:
+        ``kappa [B,T,H,K]`` and, if asked, the final ``p [B,H,K]`` (FP32, float64 for float64 ``k``).
+
+    Example::
+
+        kappa, p = kdn.diagonal_kdn_gain(k, g, omega, r, output_final_state=True)
+    """
     kappa, p = _gain.diagonal_gain(*_gain_common(False, k, g, omega, r, mu, initial_state))
     return kappa, (p if output_final_state else None)
 
@@ -314,7 +354,12 @@ def isotropic_kdn_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, *, mu: float | Tensor | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Isotropic KDN gains alone: ``beta [B,T,H]`` (``kappa = beta k``) and the final ``b [B,H]``."""
+    """Isotropic KDN gains alone (docs/math.md §4): as :func:`diagonal_kdn_gain` with ``omega [B,T,H]`` and
+    ``initial_state = b0 [B,H]``.
+
+    Returns:
+        ``beta [B,T,H]`` (``kappa = beta k``) and, if asked, the final ``b [B,H]``.
+    """
     beta, b = _gain.isotropic_gain(*_gain_common(True, k, g, omega, r, mu, initial_state))
     return beta, (b if output_final_state else None)
 
@@ -326,6 +371,7 @@ def _step(
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a one-token [B,H,K] tensor, got shape {getattr(q, 'shape', None)}")
     B, H, K = q.shape
+    _check_sizes("B,H,K", (B, H, K))
     check_shape("k", k, (B, H, K), "B,H,K")
     check_shape("g", g, (B, H, K), "B,H,K")
     if not isinstance(v, Tensor) or v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
@@ -335,6 +381,9 @@ def _step(
     S, p = state
     check_shape("state[0] (S)", S, (B, H, K, v.shape[-1]), "B,H,K,V")
     check_shape("state[1]", p, (B, H) if isotropic else (B, H, K), "B,H" if isotropic else "B,H,K")
+    if v.shape[-1] == 0:
+        raise ValueError("v has V=0 value channels; every size must be at least 1")
+    _check_dtypes({"q": q, "k": k, "v": v, "g": g, "omega": omega, "r": r})
     dt = _compute_dtype(v)
     mu_t = _mu_tensor(mu, H, K, dt, q.device)
     if validate and not torch.compiler.is_compiling():
@@ -357,9 +406,20 @@ def diagonal_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
     mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
-    """One decoding token of Diagonal KDN: ``q, k, g, omega [B,H,K]``, ``v [B,H,V]``, ``r [B,H]``,
-    ``state = (S [B,H,K,V], p [B,H,K])``. Returns ``o [B,H,V]`` and the new state. On CUDA without
-    autograd it runs one fused Triton kernel. ``validate`` as in :func:`diagonal_kdn`."""
+    """One decoding token of Diagonal KDN (docs/math.md §3). On CUDA without autograd it runs one fused Triton
+    kernel (:func:`kdn.ops.fused_recurrent.fused_recurrent_diagonal_kdn`), else the PyTorch step.
+
+    Args:
+        q, k, g, omega: ``[B,H,K]``; v: ``[B,H,V]``; r: ``[B,H]``; state: ``(S [B,H,K,V], p [B,H,K])``.
+        mu: float or ``[H]`` (default ``K``). validate: as in :func:`diagonal_kdn`.
+
+    Returns:
+        ``o [B,H,V]`` in ``v``'s dtype and the new state.
+
+    Example::
+
+        o, state = kdn.diagonal_kdn_step(q[:, -1], k[:, -1], v[:, -1], g[:, -1], omega[:, -1], r[:, -1], state)
+    """
     return _step(False, q, k, v, g, omega, r, state, mu, validate)
 
 
@@ -367,7 +427,8 @@ def isotropic_kdn_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, state: State, *,
     mu: float | Tensor | None = None, validate: bool = True,
 ) -> tuple[Tensor, State]:
-    """One decoding token of Isotropic KDN: ``omega, r [B,H]``, ``state = (S, b [B,H])``."""
+    """One decoding token of Isotropic KDN (docs/math.md §4): as :func:`diagonal_kdn_step` with ``omega, r [B,H]``
+    and ``state = (S [B,H,K,V], b [B,H])``. Returns ``o [B,H,V]`` and the new state."""
     return _step(True, q, k, v, g, omega, r, state, mu, validate)
 
 
@@ -377,8 +438,19 @@ def exact_kalman_memory(
 ) -> tuple[Tensor, State | None]:
     """Exact Kalman associative memory with dense covariance (docs/math.md §2), O(K^2) state per head.
 
-    ``omega [B,T,H,K]`` is the diagonal of the process noise; state ``(S [B,H,K,V], P [B,H,K,K])``,
-    default ``S = 0``, ``P = I``. A reference: token-by-token, for tests and small probes.
+    A reference: token-by-token, for tests and small probes.
+
+    Args:
+        q, k, g: ``[B,T,H,K]``; v: ``[B,T,H,V]``; omega: ``[B,T,H,K]``, the diagonal of the process noise;
+            r: ``[B,T,H]``.
+        initial_state: ``(S [B,H,K,V], P [B,H,K,K])`` (default ``S = 0``, ``P = I``).
+
+    Returns:
+        ``o [B,T,H,V]`` and, if ``output_final_state``, the final ``(S, P)``.
+
+    Example::
+
+        o, (S, P) = kdn.exact_kalman_memory(q, k, v, g, omega, r, output_final_state=True)
     """
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic=False)
     dt = _compute_dtype(v)

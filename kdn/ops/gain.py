@@ -5,6 +5,12 @@ i.e. the homogeneous linear map ``M_t = [[a, w], [u a, 1 + u w]]``. The scan com
 matrices: a log-depth inclusive scan inside each chunk, an exclusive carry across chunks, then
 a replay that emits ``p_{t-1}`` for every token. Products are rescaled by their max-abs entry
 (the ratio ``n / d`` is scale-free, so the scale is detached) and kept in FP32 or float64.
+
+FP32 range: a map is unchanged by a positive factor, so each token's matrix is formed already divided by
+``(1 + u)(1 + w)`` from ``1 / (1 + u) = r / (r + x)``, ``u / (1 + u) = x / (r + x)`` (``u = x / r``),
+``1 / (1 + w)`` and ``w / (1 + w)``: every entry lies in ``[0, 1]`` and no intermediate overflows, whatever the size
+of ``w`` (process noise), ``1 / r`` or ``mu``. The gains are formed from ``p^`` and ``r`` divided by their largest
+value, which leaves them unchanged and keeps ``p^ k^2`` in range.
 """
 from __future__ import annotations
 
@@ -28,16 +34,30 @@ def _compose(later: tuple[Tensor, ...], earlier: tuple[Tensor, ...]) -> tuple[Te
     return tuple(x / scale for x in c)
 
 
-def mobius_prev(a: Tensor, w: Tensor, u: Tensor, p0: Tensor, chunk: int = GAIN_CHUNK) -> tuple[Tensor, Tensor]:
-    """Scan ``p_t = (a p + w) / (u a p + 1 + u w)`` along dim 1.
+def _token_maps(a: Tensor, w: Tensor, x: Tensor, r: Tensor) -> tuple[Tensor, ...]:
+    """Each token's ``M = [[a, w], [u a, 1 + u w]]`` (``u = x / r``) divided by ``(1 + u)(1 + w)`` and then by its
+    largest entry (detached): the same map, entries in ``[0, 1]``, none of them overflowing."""
+    den = r + x
+    rho, sigma = r / den, x / den  # 1 / (1 + u), u / (1 + u)
+    tau, wt = 1 / (1 + w), w / (1 + w)  # 1 / (1 + w), w / (1 + w)
+    tiny = torch.finfo(a.dtype).tiny
+    mats = (a * rho * tau, rho * wt, a * sigma * tau, (rho * tau + sigma * wt).clamp_min(tiny))
+    scale = torch.stack(torch.broadcast_tensors(*mats)).amax(0).detach().clamp_min(tiny)
+    return tuple(m / scale for m in mats)
 
-    ``a, w, u: [B, T, *S]`` (all >= 0), ``p0: [B, *S]``. Returns ``p_prev [B, T, *S]`` (the value
-    before each token's update, ``p_{t-1}``) and ``p_T [B, *S]``.
+
+def mobius_prev(
+    a: Tensor, w: Tensor, x: Tensor, r: Tensor, p0: Tensor, chunk: int = GAIN_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """Scan ``p_t = (a p + w) / (u a p + 1 + u w)``, ``u = x / r``, along dim 1.
+
+    ``a, w, x: [B, T, *S]`` (all >= 0), ``r``: ``> 0``, broadcastable to them, ``p0: [B, *S]``. Returns ``p_prev
+    [B, T, *S]`` (the value before each token's update, ``p_{t-1}``) and ``p_T [B, *S]``.
     """
     B, T = a.shape[:2]
     rest = a.shape[2:]
     pad = (-T) % chunk
-    mats = (a, w, u * a, 1 + u * w)
+    mats = _token_maps(a, w, x, r)
     if pad:
         # identity matrices after the end leave every prefix unchanged
         ident = (1.0, 0.0, 0.0, 1.0)
@@ -79,11 +99,11 @@ def diagonal_gain(
     Returns ``kappa [B,T,H,K]`` and the final ``p [B,H,K]``.
     """
     a = torch.exp(2 * g)
-    u = (mu[:, None] / r[..., None]) * k * k
-    p_prev, p_T = mobius_prev(a, omega, u, p0)
+    p_prev, p_T = mobius_prev(a, omega, mu[:, None] * k * k, r[..., None], p0)
     p_hat = a * p_prev + omega
-    s = r + (p_hat * k * k).sum(-1)
-    return p_hat * k / s[..., None], p_T
+    c = torch.maximum(p_hat.amax(-1), r).detach()[..., None]  # kappa is unchanged by a common factor
+    ph = p_hat / c
+    return ph * k / (r[..., None] / c + (ph * k * k).sum(-1, keepdim=True)), p_T
 
 
 def isotropic_gain(
@@ -95,9 +115,10 @@ def isotropic_gain(
     """
     a = torch.exp(2 * g).mean(-1)
     n = (k * k).sum(-1)
-    u = mu * n / (k.shape[-1] * r)
-    b_prev, b_T = mobius_prev(a, omega, u, b0)
+    b_prev, b_T = mobius_prev(a, omega, mu * n / k.shape[-1], r, b0)
     b_hat = a * b_prev + omega
-    return b_hat / (r + b_hat * n), b_T
+    c = torch.maximum(b_hat, r).detach()  # beta is unchanged by a common factor
+    bh = b_hat / c
+    return bh / (r / c + bh * n), b_T
 
 

@@ -156,7 +156,7 @@ class _DeltaRule(nn.Module, abc.ABC):
         fla = self.resolve_backend(x.device) == "fla"
         check = None
         if fla and self.checks_safe_gate:  # read in fla_call, once write_terms' kernels are queued
-            from kdn.ops.triton import safe_gate
+            from kdn.ops.triton.safe_gate import safe_gate
 
             check = safe_gate(g)
         terms = self.write_terms(p)

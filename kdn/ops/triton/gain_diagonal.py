@@ -329,7 +329,8 @@ def _diag_gain_fwd(
     """The Diagonal gain's forward launches: ``((kappa, [a, b,] p_T), saved)``, ``saved`` what
     :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``, ``A_log``).
     ``A_log [H]``: ``g`` is the output of KDA's gate with these ``A_log`` (:func:`kdn.ops.triton.gate.kda_gate_fwd`),
-    whose backward the gain's takes on (:func:`_diag_gain_bwd`). ``segment_size``: as in :func:`gain_segments`."""
+    whose backward the gain's takes on (:func:`_diag_gain_bwd`). ``segment_size``: as in
+    :func:`kdn.ops.triton.utils.gain_segments`."""
     B, T, H, K = k.shape
     k = k.contiguous()
     omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
@@ -431,7 +432,8 @@ def diagonal_gain(
     packed sequences along T, ``B = 1``) the number of sequences, each with its own ``p0`` and ``p_T``.
     ``omega_softplus``: ``omega`` holds the process noise before its softplus (any float dtype), applied in the
     kernels (FP32), which saves a pass over ``[B,T,H,K]`` each way. ``segment_size``: tokens per segment of the
-    sequence-parallel scan instead of :func:`gain_segments`' rule. Differentiable in every tensor input.
+    sequence-parallel scan instead of :func:`kdn.ops.triton.utils.gain_segments`' rule. Differentiable in every
+    tensor input.
 
     Example::
 

@@ -67,9 +67,10 @@ def _asym_memory_fwd(
     recompute_states: bool = False,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
     """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
-    ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check`` (:func:`safe_gate`; read just
-    before the first kernel that needs it): whether fla's tensor-core diagonal blocks were taken. Unless
-    ``recompute_states``, ``saved`` holds the WY terms and chunk states the backward would otherwise recompute.
+    ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check``
+    (:func:`kdn.ops.triton.safe_gate.safe_gate`; read just before the first kernel that needs it): whether fla's
+    tensor-core diagonal blocks were taken. Unless ``recompute_states``, ``saved`` holds the WY terms and chunk states
+    the backward would otherwise recompute.
     ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
