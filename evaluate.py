@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
 import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
-from eval.harness import Unavailable, load_model
+from eval.harness import Unavailable, go_offline, load_model
 from eval.model_dir import full_attention_limit, model_metadata, resolve, training_context
 from eval.suites import Context, run_beta_eff, run_lm, run_ppl, run_retrieval
 
@@ -89,7 +88,7 @@ def run(cfg: Any) -> dict[str, Any]:
     if unknown or not suites:
         raise ValueError(f"unknown suite(s) {unknown or suites}: choose from suites=[{','.join(RUNNERS)}]")
     if cfg.offline:  # no network calls: hub datasets come from the local cache or are reported missing
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        go_offline()
     ctx = build_context(cfg)
     reports: dict[str, dict[str, Any]] = {}
     for suite in suites:

@@ -7,6 +7,7 @@ falls back to 2048, and WikiText's rolling perplexity depends on it.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,17 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 class Unavailable(RuntimeError):
     """A suite or task whose data cannot be reached here; the message names the local path or override to give."""
+
+
+def go_offline() -> None:
+    """No network calls from here on: hub datasets and files come from the local cache or fail at once.
+    (``huggingface_hub`` and ``datasets`` read the environment at import, so their flags are set too.)"""
+    import datasets
+    import huggingface_hub
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
 
 
 def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
@@ -48,12 +60,14 @@ def make_lm(model: Any, tokenizer: Any, *, batch_size: int, max_length: int) -> 
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
 
 
-def task_manager(include_path: str | Path | None = None, metadata: dict[str, Any] | None = None) -> Any:
-    """lm-eval's ``TaskManager`` over its own tasks, ``eval/tasks`` and ``include_path``."""
+def task_manager(include_path: str | Path | None = None, metadata: dict[str, Any] | None = None,
+                 defaults: bool = True) -> Any:
+    """lm-eval's ``TaskManager`` over ``eval/tasks``, ``include_path`` and (``defaults``) lm-eval's own tasks.
+    Indexing lm-eval's own tasks reads thousands of YAML files: build one manager per suite."""
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)] + ([str(include_path)] if include_path else [])
-    return TaskManager(include_path=paths, metadata=metadata)
+    return TaskManager(include_path=paths, include_defaults=defaults, metadata=metadata)
 
 
 def load_task(manager: Any, name: str) -> dict[str, Any]:
@@ -74,13 +88,13 @@ def load_task(manager: Any, name: str) -> dict[str, Any]:
                           "cache") from None
 
 
-def evaluate_task(lm: Any, task: dict[str, Any], *, limit: int | None = None,
+def evaluate_task(lm: Any, task: dict[str, Any], manager: Any, *, limit: int | None = None,
                   log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, list[dict]]]:
     """Run loaded tasks; ``({task: {metric: value, "n": documents}}, {task: [per-sample records]})``."""
     from lm_eval import simple_evaluate
 
     out = simple_evaluate(model=lm, tasks=list(task.values()), limit=limit, bootstrap_iters=0,
-                          log_samples=log_samples)
+                          log_samples=log_samples, task_manager=manager)
     metrics = {t: {m.split(",")[0]: float(v) for m, v in res.items() if isinstance(v, (int, float))
                    and not isinstance(v, bool)} for t, res in out["results"].items()}
     for t, counts in (out.get("n-samples") or {}).items():

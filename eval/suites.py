@@ -108,7 +108,7 @@ def run_lm(ctx: Context, cfg: Any) -> dict[str, Any]:
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task = load_task(manager, name)
         versions[name] = _task_version(task)
-        metrics, samples = evaluate_task(lm, task, limit=cfg.limit, log_samples=ctx.log_samples)
+        metrics, samples = evaluate_task(lm, task, manager, limit=cfg.limit, log_samples=ctx.log_samples)
         return metrics[name], samples.get(name, [])
 
     unknown = [n for n in tasks if n not in manager.all_tasks]
@@ -139,13 +139,13 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     check_context(context + MAX_GEN_TOKENS, ctx.attention_limit, f"retrieval at context_tokens={context}")
     metadata = {"tokenizer": str(ctx.target.hf_dir), "context_tokens": context,
                 "data_dir": str(Path(cfg.data_dir).expanduser()) if cfg.data_dir else None}
-    manager = task_manager(None, metadata)
+    manager = task_manager(None, metadata, defaults=False)
     # the prompts are cut to `context` tokens already: HFLM must not cut them again
     lm = make_lm(ctx.model, ctx.hf_tokenizer, batch_size=ctx.batch_size, max_length=context + MAX_GEN_TOKENS)
 
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task = load_task(manager, f"kdn_{name}")
-        metrics, samples = evaluate_task(lm, task, limit=cfg.limit, log_samples=ctx.log_samples)
+        metrics, samples = evaluate_task(lm, task, manager, limit=cfg.limit, log_samples=ctx.log_samples)
         m = metrics[f"kdn_{name}"]
         return {"score": 100 * m["contains"], "n": m["n"]}, samples.get(f"kdn_{name}", [])
 
