@@ -61,8 +61,8 @@ def fake_ruler() -> types.ModuleType:
             hay = [noise] * reps
             depth = rng.choice([0, 50, 100])
             hay.insert(reps * depth // 100, f"One of the special magic numbers for key-{index} is: {value}.")
-            prompt = (" ".join(hay) + f"\nWhat is the special magic number for key-{index}? The special magic "
-                      f"number for key-{index} mentioned in the provided text is")
+            prompt = (" ".join(hay) + f"\nWhat is the special magic number for key-{index} mentioned in the "
+                      f"provided text? The special magic number for key-{index} mentioned in the provided text is")
             out.append({"task": task, "length": length, "index": index, "prompt": prompt, "answers": [value],
                         "depth": depth, "haystack_words": len(" ".join(hay).split()),
                         "prompt_tokens": len(tokenizer.encode(prompt))})

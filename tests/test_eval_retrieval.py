@@ -39,8 +39,7 @@ def test_prompts_follow_the_task_text() -> None:
     assert doc + q == "Device: a pump. 510k number:"
     doc, q, ans = split_prompt("triviaqa", {"context": "[DOC] [TLE] Paris [PAR] is in France. Where is Paris?",
                                             "question": "Where is Paris?", "answers": ["France"]})
-    assert doc + q == "  Paris  is in France. Where is Paris?".strip(" ") or "[" not in doc + q
-    assert "[PAR]" not in doc and (doc + q).endswith("is in France. Where is Paris?") and ans == ["France"]
+    assert doc + q == "Paris  is in France. Where is Paris?" and ans == ["France"]
     doc, q, _ = split_prompt("nq", {"context": "Some context.", "question": " Who? ", "answers": ["x"]})
     assert doc + q == "Some context. Who?"
     doc, q, _ = split_prompt("squad", {"text": "  A context. The answer is", "value": "x"})
