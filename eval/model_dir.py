@@ -44,17 +44,19 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
         return out
     import torch
     from accelerate import Accelerator
+    from omegaconf import OmegaConf
 
     from data import load_tokenizer, read_meta
     from models import build_model
     from trainer.checkpoint import export_hf
-    from trainer.config import build_model_config, load_config
+    from trainer.config import TrainConfig, build_model_config
 
     weights = [p for p in (ckpt / "pytorch_model.bin", ckpt / "model.safetensors") if p.is_file()]
     if not weights:
         raise FileNotFoundError(f"{ckpt} holds no full model weights (pytorch_model.bin); an FSDP checkpoint is "
                                 "sharded: export it by resuming the run with trainer.max_steps=<its step>")
-    cfg = load_config(_run_config(run_dir))
+    # the model's part of the run config (the training budget is not re-validated here)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), _run_config(run_dir)))
     shard_dir = Path(cfg.data.prepare.get("out_dir") or "")
     tok_name = read_meta(shard_dir)["tokenizer"]["name"] if (shard_dir / "meta.json").is_file() else \
         cfg.data.prepare.get("tokenizer", "mistral-v1")

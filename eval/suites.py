@@ -100,7 +100,9 @@ def run_cells(ctx: Context, suite: str, settings: dict[str, Any], cells: list[st
 def run_lm(ctx: Context, cfg: Any) -> dict[str, Any]:
     """Table 1: lm-eval tasks through ``HFLM`` at ``ctx.max_length``; summary in Table 1's columns."""
     check_context(ctx.max_length, ctx.attention_limit, f"lm-eval at max_length={ctx.max_length}")
-    manager = task_manager(cfg.include_path)
+    manager = task_manager(cfg.include_path, defaults=False)  # indexing lm-eval's own tasks takes a minute
+    if any(name not in manager.all_tasks for name in cfg.tasks):
+        manager = task_manager(cfg.include_path)
     lm = make_lm(ctx.model, ctx.hf_tokenizer, batch_size=ctx.batch_size, max_length=ctx.max_length)
     tasks = list(cfg.tasks)
     versions: dict[str, Any] = {}
