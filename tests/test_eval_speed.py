@@ -1,0 +1,32 @@
+"""bench.eval_speed at toy size on the CPU: every part runs, the report has its header and the time split."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from eval_fixtures import RULER_PRESENT, fake_ruler
+
+import eval as eval_pkg
+from bench import eval_speed
+
+
+def test_eval_speed_runs_at_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not RULER_PRESENT:
+        mod = fake_ruler()
+        monkeypatch.setitem(sys.modules, "eval.ruler", mod)
+        monkeypatch.setattr(eval_pkg, "ruler", mod, raising=False)
+    out = tmp_path / "speed.json"
+    rep = eval_speed.main(["--size", "toy", "--samples-per-cell", "2", "--cells", "niah_single_1@1024",
+                           "--ruler-new-tokens", "4", "--batch-size", "2", "--cloze-docs", "1", "--cloze-tokens",
+                           "96", "--lm-scale", "0.0002", "--max-length", "256", "--out", str(out)])
+    assert json.loads(out.read_text()) == rep
+    h = rep["header"]
+    assert h["device"] == "cpu" and h["versions"]["torch"] and h["date"] and h["model"]["parameters"] > 0
+    cell = rep["ruler"]["cells"]["niah_single_1@1024"]
+    assert rep["ruler"]["samples"] == 2 and cell["prefill_s"] > 0 and cell["decode_s"] > 0
+    assert cell["prefill_s"] + cell["decode_s"] <= cell["generate_s"] * 1.01
+    assert rep["cloze"]["documents"] == 6 and rep["cloze"]["decode_s"] > 0
+    assert set(rep["lm"]["tasks"]) == {*eval_speed.LM_SHAPES, "wikitext"}
+    assert rep["lm"]["tasks"]["hellaswag"]["requests"] == 2 * 4 and rep["lm"]["tasks"]["wikitext"]["prefill_s"] > 0
