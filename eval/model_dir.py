@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 log = logging.getLogger("evaluate")
 DEFAULT_MAX_LENGTH = 4096  # the paper's training context (docs/protocol.md §8)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -34,7 +32,9 @@ class Target:
 def _run_config(run_dir: Path | None) -> dict[str, Any]:
     if run_dir is None or not (run_dir / "config.yaml").is_file():
         return {}
-    return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False) or {}
 
 
 def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
