@@ -80,12 +80,12 @@ def load_task(manager: Any, name: str) -> dict[str, Any]:
                          "lm.include_path=DIR")
     try:
         return get_task_dict([name], manager)
-    except FileNotFoundError as e:
-        raise Unavailable(str(e).splitlines()[0]) from None
-    except (ConnectionError, OSError) as e:
-        raise Unavailable(f"lm-eval task {name}: its dataset is not in the local Hugging Face cache "
-                          f"({type(e).__name__}); run once online, or point HF_HOME/HF_DATASETS_CACHE at a filled "
-                          "cache") from None
+    except (ConnectionError, OSError) as e:  # FileNotFoundError included
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "data_dir" not in msg:  # lm-eval's hub tasks: the fix is a filled cache
+            msg = (f"lm-eval task {name}: its dataset is not in the local Hugging Face cache ({msg}); run once "
+                   "online, or point HF_HOME/HF_DATASETS_CACHE at a filled cache")
+        raise Unavailable(msg) from None
 
 
 def evaluate_task(lm: Any, task: dict[str, Any], manager: Any, *, limit: int | None = None,
