@@ -68,8 +68,8 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
         return {"score": ruler.string_match_all(preds, refs), "n": len(samples),
                 "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)}, rows
 
-    def summarize(res: dict[str, Any]) -> dict[str, Any]:
-        scores = [res[c]["score"] for c in by_name if c in res]
+    def summarize(res: dict[str, Any]) -> dict[str, Any]:  # every cell in the file, this run's and earlier ones
+        scores = [r["score"] for r in res.values()]
         return {"mean": sum(scores) / len(scores), "cells": len(scores)} if scores else {"cells": 0}
 
     settings = {"max_length": ctx.max_length, "samples_per_cell": n, "seed": int(cfg.seed),
