@@ -144,9 +144,11 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     manager = task_manager(None, metadata, defaults=False)
     # the prompts are cut to `context` tokens already: HFLM must not cut them again
     lm = make_lm(ctx.model, ctx.hf_tokenizer, batch_size=ctx.batch_size, max_length=context + MAX_GEN_TOKENS)
+    versions: dict[str, Any] = {}
 
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task = load_task(manager, f"kdn_{name}")
+        versions[name] = _task_version(task)
         metrics, samples = evaluate_task(lm, task, manager, limit=cfg.limit, log_samples=ctx.log_samples)
         m = metrics[f"kdn_{name}"]
         return {"score": 100 * m["contains"], "n": m["n"]}, samples.get(f"kdn_{name}", [])
@@ -158,7 +160,7 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     settings = {"max_length": context + MAX_GEN_TOKENS, "context_tokens": context, "limit": cfg.limit,
                 "max_new_tokens": MAX_GEN_TOKENS, "batch_size": ctx.batch_size, "dtype": ctx.dtype,
                 "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
-                "data_dir": metadata["data_dir"], "tasks": {t: 1.0 for t in cfg.tasks}}
+                "data_dir": metadata["data_dir"], "tasks": versions}
     return run_cells(ctx, "retrieval", settings, list(cfg.tasks), run_cell, summarize, unit="task")
 
 
