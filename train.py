@@ -98,9 +98,6 @@ def _train(cfg: TrainConfig, preemption: Preemption) -> dict[str, Any]:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        from kdn import triton_ops
-
-        triton_ops.RECOMPUTE_STATES = cfg.trainer.recompute_states  # memory against speed (docs/results.md)
     if accelerator.is_main_process:  # the validated, resolved config of this run
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

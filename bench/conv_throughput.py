@@ -1,4 +1,4 @@
-"""The front end's short convolutions of a training step, ours fused (``kdn.triton_conv.front_conv``) against fla's
+"""The front end's short convolutions of a training step, ours fused (``kdn.modules.conv.front_conv``) against fla's
 kernels (``causal_conv1d`` per stream on views of the joint projection, ``l2norm`` on ``q`` and ``k``, and
 autograd's ``cat`` of the views' gradients), forward and forward + backward, on CUDA.
 
@@ -41,7 +41,7 @@ def fla_front(y: Tensor, w: Tensor, H: int, K: int, V: int) -> tuple[Tensor, ...
 def main() -> None:
     from triton.testing import do_bench
 
-    from kdn import triton_conv
+    from kdn.modules.conv import front_conv
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs=2, default=[8, 4096], metavar=("B", "T"))
@@ -60,8 +60,8 @@ def main() -> None:
 
     def ours(cfg: str) -> Callable[[], tuple[Tensor, ...]]:
         def run() -> tuple[Tensor, ...]:
-            triton_conv.L_FWD, triton_conv.L_BWD, triton_conv.HEADS = (int(c) for c in cfg.split(","))
-            return triton_conv.front_conv(y, w, H, K, K, 1e-12)
+            tokens_fwd, tokens_bwd, heads = (int(c) for c in cfg.split(","))
+            return front_conv(y, w, H, K, K, 1e-12, tokens_fwd=tokens_fwd, tokens_bwd=tokens_bwd, heads=heads)
         return run
 
     fns = {"fla causal_conv1d x3 + l2norm x2": lambda: fla_front(y, w, H, K, K)}

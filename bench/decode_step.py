@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kdn
-from kdn import naive, triton_ops
+from kdn.ops import fused_recurrent, naive
 
 
 def main() -> None:
@@ -33,8 +33,10 @@ def main() -> None:
             mu = torch.full((H,), float(K), device="cuda")
             ref = naive.isotropic_kdn_step_ref if iso else naive.diagonal_kdn_step_ref
             step = kdn.isotropic_kdn_step if iso else kdn.diagonal_kdn_step
-            fused = partial(triton_ops.fused_recurrent, *(t[:, None] for t in x.values()), mu, state, iso)
-            for name, fn in (("fused", fused), ("torch", partial(ref, *x.values(), state, mu)),
+            step_kernel = (fused_recurrent.fused_recurrent_isotropic_kdn if iso
+                           else fused_recurrent.fused_recurrent_diagonal_kdn)
+            fused = partial(step_kernel, *(t[:, None] for t in x.values()), mu, state)
+            for name, fn in (("fused", fused), ("torch", partial(ref, *x.values(), mu, state)),
                              ("api", partial(step, **x, state=state))):
                 times = []
                 with torch.no_grad():

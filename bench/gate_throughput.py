@@ -1,6 +1,6 @@
 """KDA's gate as Diagonal KDN's training step needs it, forward, on CUDA: ours in one pass
-(``kdn.triton_gate.kda_gate_fwd``: ``g``, its chunk-local sums in log2 units and each token's steepest channel)
-against the passes it replaced (fla's ``fused_kda_gate``, ``chunk_local_cumsum`` and ``kdn.triton_ops``' row
+(``kdn.ops.triton.gate.kda_gate_fwd``: ``g``, its chunk-local sums in log2 units and each token's steepest channel)
+against the passes it replaced (fla's ``fused_kda_gate``, ``chunk_local_cumsum`` and ``kdn.ops.triton.safe_gate``' row
 minimum) and against fla's fused gate + chunk sums (``kda_gate_chunk_cumsum``, which does not give ``g``).
 
 Shapes as in a 750M step: 8 x 4096 tokens, 16 heads of 128, the gate's input in bf16. Prints a table (ms and the
@@ -27,8 +27,9 @@ def main() -> None:
     from fla.ops.utils.constant import RCP_LN2
     from triton.testing import do_bench
 
-    from kdn.triton_gate import kda_gate_fwd
-    from kdn.triton_ops import ASYM_CHUNK, _steepest_triton
+    from kdn.ops.triton.gate import kda_gate_fwd
+    from kdn.ops.triton.safe_gate import _steepest_triton
+    from kdn.ops.validate import ASYM_CHUNK
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs=2, default=[8, 4096], metavar=("B", "T"))

@@ -8,7 +8,6 @@ d_model 2048, 16 heads x 128, batch 4, bf16; medians over ``--repeats`` timed ru
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -16,7 +15,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,14 +44,15 @@ class CausalSDPA(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, None
 
 
-def build_layer(name: str, d: int, H: int, K: int) -> nn.Module:
-    """A single mixer layer on CUDA in bf16. Raises ImportError when its kernels are not installed."""
+def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Module:
+    """A single mixer layer on CUDA in bf16; ``settings``: Diagonal KDN's memory route (:func:`variant`). Raises
+    ImportError when its kernels are not installed."""
     import fla.layers as fl
 
     import kdn
 
     makers: dict[str, Callable[[], nn.Module]] = {
-        "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K),
+        "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K, **settings),
         "kdn_iso": lambda: kdn.IsotropicKDN(d, H, K),
         "kda": lambda: fl.KimiDeltaAttention(hidden_size=d, num_heads=H, head_dim=K),
         "deltanet": lambda: fl.DeltaNet(hidden_size=d, num_heads=H),
@@ -62,11 +63,14 @@ def build_layer(name: str, d: int, H: int, K: int) -> nn.Module:
     }
     if name not in makers:
         raise ValueError(f"unknown mixer {name!r}; known: {sorted(makers)}")
+    if settings and name != "kdn_diag":
+        raise ValueError(f"only kdn_diag takes memory settings, got {settings} for {name!r}")
     return makers[name]().cuda().to(torch.bfloat16)
 
 
-def kernel_fn(name: str, B: int, T: int, H: int, K: int) -> Callable[[], None] | None:
-    """The recurrent kernel alone (fwd+bwd) on layer-like inputs, for the mixers we can call directly."""
+def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> Callable[[], None] | None:
+    """The recurrent kernel alone (fwd+bwd) on layer-like inputs, for the mixers we can call directly;
+    ``settings`` as in :func:`build_layer`."""
     import kdn
 
     dev = torch.device("cuda")
@@ -83,7 +87,7 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int) -> Callable[[], None] |
     if name in ("kdn_diag", "kdn_iso"):
         iso = name == "kdn_iso"
         omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
-        fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
+        fn = kdn.isotropic_kdn if iso else partial(kdn.diagonal_kdn, **settings)
         return lambda: fn(q, k, v, g, omega, r)[0].sum().backward()
     return None
 
@@ -104,32 +108,18 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def variant(name: str) -> Iterator[str]:
-    """Run the mixer ``name`` and yield its base name. Diagonal KDN memory variants (``kdn.triton_ops``):
-    ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels, ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16,
-    ``kdn_diag@c32`` at chunk 32 (16 or 32; ``kdn.triton_ops`` refuses 64); the module settings are restored
-    afterwards."""
+def variant(name: str) -> tuple[str, dict[str, object]]:
+    """``(base mixer name, settings)`` of the mixer ``name``. Diagonal KDN memory variants (the ``memory`` and
+    ``chunk_size`` arguments of :class:`kdn.DiagonalKDN`): ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels,
+    ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16, ``kdn_diag@c32`` at chunk 32 (16 or 32; 64 is refused)."""
     if "@" not in name:
-        yield name
-        return
-    from kdn import triton_ops
-
+        return name, {}
     base, tag = name.split("@")
     if tag in ("asym", "dplr"):
-        settings = {"DIAG_MEMORY": tag}
-    elif tag in ("c16", "c32"):
-        settings = {"DIAG_MEMORY": "dplr", "DPLR_CHUNK": int(tag[1:])}
-    else:
-        raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32")
-    defaults = {n: getattr(triton_ops, n) for n in settings}
-    for n, v in settings.items():
-        setattr(triton_ops, n, v)
-    try:
-        yield base
-    finally:
-        for n, v in defaults.items():
-            setattr(triton_ops, n, v)
+        return base, {"memory": tag}
+    if tag in ("c16", "c32"):
+        return base, {"memory": "dplr", "chunk_size": int(tag[1:])}
+    raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32")
 
 
 def host_ms(fn: Callable[[], None], repeats: int = 3) -> float:
@@ -146,10 +136,8 @@ def host_ms(fn: Callable[[], None], repeats: int = 3) -> float:
 
 def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
     """One row (``name`` may carry a :func:`variant` tag)."""
-    if "@" in name:
-        with variant(name) as base:
-            return {**measure(base, B, T, d, H, K, repeats), "mixer": name}
-    layer = build_layer(name, d, H, K)
+    base, settings = variant(name)
+    layer = build_layer(base, d, H, K, **settings)
     n_params = sum(p.numel() for p in layer.parameters())
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16)
@@ -166,7 +154,7 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> 
     peak = torch.cuda.max_memory_allocated() / 2**30
     ms_f = time_ms(fwd, repeats)
     ms_host = host_ms(fwdbwd)
-    kf = kernel_fn(name, B, T, H, K)
+    kf = kernel_fn(base, B, T, H, K, **settings)
     ms_kernel = time_ms(kf, repeats) if kf is not None else None
     linear_flops = 6 * n_params * B * T  # projections, fwd+bwd
     row = {
@@ -232,7 +220,7 @@ def report(rows: list[dict]) -> None:
 
 def merge(paths: list[Path], out: Path) -> None:
     """Join the results of sweeps that ran at the same time on GPUs of one machine (e.g. through
-    bench/device_pair.sh) into one file at ``out`` (+ ``.png``): the first file's header, with every header
+    bench/gpu_pair.sh) into one file at ``out`` (+ ``.png``): the first file's header, with every header
     under ``"merged_from"``; rows ordered by T, then by the order in which the mixers first appear."""
     runs = [json.loads(p.read_text()) for p in paths]
     rows = [r for run in runs for r in run["results"]]

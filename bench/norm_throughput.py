@@ -1,4 +1,4 @@
-"""The pre-norm residual add + RMSNorm of a training step, ours (``kdn.triton_norm``) against fla's fused prenorm
+"""The pre-norm residual add + RMSNorm of a training step, ours (``kdn.modules.norm``) against fla's fused prenorm
 kernel (``rms_norm(..., residual=..., prenorm=True, residual_in_fp32=True)``), forward and backward, on CUDA.
 
 Shapes as in a 750M step: rows = batch x sequence (8 x 4096), width 2048, a bf16 sublayer output on an FP32
@@ -30,17 +30,16 @@ def _fns(block_rows: list[int]) -> dict[str, Callable[[Tensor, Tensor, Tensor], 
     """fla's kernel, then ours at each backward ``ROWS`` (rows per program)."""
     from fla.modules.norm.layernorm import rms_norm
 
-    from kdn import triton_norm
+    from kdn.modules.norm import add_rms_norm
 
     def ours(n: int) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
         def run(x: Tensor, s: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-            triton_norm.ROWS = n
-            return triton_norm.add_rms_norm(x, s, w, 1e-5)
+            return add_rms_norm(x, s, w, 1e-5, rows=n)
         return run
 
     fns = {"fla rms_norm(prenorm)": lambda x, s, w: rms_norm(x, w, None, residual=s, eps=1e-5, prenorm=True,
                                                              residual_in_fp32=True)}
-    return fns | {f"kdn.triton_norm ROWS={n}": ours(n) for n in block_rows}
+    return fns | {f"kdn.modules.norm ROWS={n}": ours(n) for n in block_rows}
 
 
 def main() -> None:

@@ -21,16 +21,16 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true",
                     help="also the PyTorch operators (with input shapes) by the device time of their kernels")
     args = ap.parse_args()
-    with variant(args.mixer) as base:
-        layer = build_layer(base, 2048, 16, 128)
-        x = torch.randn(args.batch, args.T, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3):
-            layer(x)[0].sum().backward()
+    base, settings = variant(args.mixer)
+    layer = build_layer(base, 2048, 16, 128, **settings)
+    x = torch.randn(args.batch, args.T, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        layer(x)[0].sum().backward()
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops else [])
+    with profile(activities=acts, record_shapes=args.ops) as prof:
+        layer(x)[0].sum().backward()
         torch.cuda.synchronize()
-        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops else [])
-        with profile(activities=acts, record_shapes=args.ops) as prof:
-            layer(x)[0].sum().backward()
-            torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] if args.ops else None
     if kernels is None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))

@@ -1,5 +1,5 @@
 """The inter-chunk + WY backward of the Diagonal KDN memory on CUDA: fla's ``chunk_precond_kda_bwd_wy_dqkg``
-against ours (``kdn.triton_wy.chunk_asym_bwd_wy_dqkg``), at the shape of a training step's layer.
+against ours (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``), at the shape of a training step's layer.
 
 Inputs as the backward sees them: bf16 ``q, k, k_precond, v, v_new, do, dv``, the chunk states and their gradients
 ``h, dh``, the WY inverse ``A`` and ``beta`` (bf16, the dtype of k as fla's forward makes ``A``: fla's kernel
@@ -63,13 +63,13 @@ def main() -> None:
     from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_wy_dqkg
     from triton.testing import do_bench
 
-    from kdn.triton_wy import _dA_kernel, _dqkg_kernel, chunk_asym_bwd_wy_dqkg
+    from kdn.ops.triton.wy import _dA_kernel, _dqkg_kernel, chunk_asym_bwd_wy_dqkg
 
     torch.manual_seed(0)
     x = _inputs(a.batch, a.seqlen, a.heads, a.key_dim, a.value_dim)
     scale = a.key_dim ** -0.5
     fns = {"fla chunk_precond_kda_bwd_wy_dqkg": chunk_precond_kda_bwd_wy_dqkg,
-           "kdn.triton_wy chunk_asym_bwd_wy_dqkg": chunk_asym_bwd_wy_dqkg}
+           "kdn.ops.triton.wy chunk_asym_bwd_wy_dqkg": chunk_asym_bwd_wy_dqkg}
     rows, outs = [], {}
     for name, fn in fns.items():
         outs[name] = fn(**x, scale=scale, chunk_size=BT)  # (autotunes)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kdn.cache import RecurrentCache
+from kdn.layers import RecurrentCache
 
 
 def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:

@@ -39,6 +39,12 @@ class KDNConfig(PretrainedConfig):
     RoPE base ``rope_theta`` and, when sliding, ``window``. ``intermediate_size`` is the SwiGLU width: one int
     for every layer, or a list of ``num_layers`` ints (parameter matching mixes two widths, both multiples of
     16 or more, rather than use one width that tensor cores handle badly).
+
+    Kernel settings (no effect on the parameters or the maths): ``fused`` runs the fused CUDA kernels of the front
+    end, norms, SwiGLU and LM head (``False``: their PyTorch code on CUDA too); ``recompute_states`` makes the
+    asymmetric memory's backward (KDN, KDA) recompute its WY terms and chunk states instead of keeping them (less
+    memory, slower). The Diagonal KDN memory route is a mixer keyword (``mixer_kwargs["memory"]``, ``"asym"`` or
+    ``"dplr"``, with ``"chunk_size"``).
     """
 
     model_type = "kdn_lm"
@@ -64,6 +70,8 @@ class KDNConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         fuse_cross_entropy: bool = True,
         use_cache: bool = True,
+        fused: bool = True,
+        recompute_states: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
@@ -86,6 +94,8 @@ class KDNConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.fuse_cross_entropy = fuse_cross_entropy
         self.use_cache = use_cache
+        self.fused = fused
+        self.recompute_states = recompute_states
         self.check()
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -133,5 +143,8 @@ class KDNConfig(PretrainedConfig):
         if has_attention and self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(f"attention layers need num_heads * head_dim == hidden_size, got {self.num_heads} * "
                              f"{self.head_dim} = {self.num_heads * self.head_dim} != {self.hidden_size}")
+        for name in ("fused", "recompute_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from models.configuration import KDNConfig
 from models.layers.delta import DELTA_MIXERS
-from models.registry import attention_window, mamba3_state_size
+from models.registry import attention_window, mamba3_state_size, mixer_heads
 from models.sizes import build_on_meta
 
 SCAN_CHUNK = 64
@@ -17,6 +17,7 @@ def _mixing_flops(cfg: KDNConfig, name: str, kwargs: dict, seq_len: int) -> floa
         context = sum(min(t + 1, window or seq_len) for t in range(seq_len)) / seq_len
         return 4.0 * H * K * context  # q k^T and p v
     if name in DELTA_MIXERS or name.startswith("kdn"):
+        H = mixer_heads(cfg, kwargs)
         # chunked delta rule: state read, output and update (3 x K V), intra-chunk k k^T, q k^T and mixing
         return 2.0 * H * (3 * K * K + SCAN_CHUNK * (2 * K + K) / 2)
     if name.startswith("mamba3"):

@@ -44,19 +44,21 @@ class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, ``x [..., d]``; ``3 d w`` parameters for width ``w``.
 
     The gate and up projections run as one GEMM over their stacked weights (``[..., 2w]``), and on CUDA the
-    activation reads that joint output and writes its gradient as one tensor (:func:`kdn.triton_swiglu.swiglu_joint`):
-    the input's gradient is one GEMM, with no add of two and no ``cat`` of split gradients."""
+    activation reads that joint output and writes its gradient as one tensor (:func:`kdn.modules.swiglu.swiglu_joint`):
+    the input's gradient is one GEMM, with no add of two and no ``cat`` of split gradients. ``fused=False``: the
+    PyTorch activation on every device."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, [self.gate_proj.weight, self.up_proj.weight])
-        if fla_fused(y):
-            from kdn.triton_swiglu import swiglu_joint
+        if fla_fused(y, self.fused):
+            from kdn.modules.swiglu import swiglu_joint
 
             return self.down_proj(swiglu_joint(y))
         gate, up = y.chunk(2, -1)
@@ -70,10 +72,10 @@ class KDNBlock(GradientCheckpointingLayer):
     def __init__(self, config: KDNConfig, layer_idx: int) -> None:
         super().__init__()
         name, kwargs = config.layer_mixer(layer_idx)
-        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, fused=config.fused)
         self.mixer = MIXERS[name].build(config, layer_idx, kwargs)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.ffn_width(layer_idx))
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, fused=config.fused)
+        self.mlp = SwiGLU(config.hidden_size, config.ffn_width(layer_idx), fused=config.fused)
 
     def forward(
         self, hidden_states: Tensor, residual: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -121,7 +123,7 @@ class KDNModel(KDNPreTrainedModel):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([KDNBlock(config, i) for i in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, fused=config.fused)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -156,7 +158,7 @@ class KDNModel(KDNPreTrainedModel):
             cache.seen_tokens += T
         # the last add is a plain FP32 add (one per step): fla's fused add + norm faulted here under FSDP2 (illegal
         # memory access, Triton 3.6, H200; docs/performance.md, "FSDP2"); the blocks' add_norm now runs our kernel
-        # (kdn.triton_norm), not yet tried in this place. The norm comes back in the sublayers' dtype, as
+        # (kdn.modules.norm), not yet tried in this place. The norm comes back in the sublayers' dtype, as
         # add_norm's: the LM head's under FSDP2 (no autocast there)
         out = self.norm(h if residual is None else residual + h).to(h.dtype)
         return out, cache, (tuple(betas) if output_beta_eff else None)
@@ -184,7 +186,7 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
     def __init__(self, config: KDNConfig) -> None:
         super().__init__(config)
         self.model = KDNModel(config)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, fused=config.fused)
         self.post_init()
 
     @classmethod

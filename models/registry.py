@@ -2,7 +2,8 @@
 
 ``MIXERS[name]`` is a :class:`MixerSpec`; an unknown name raises a ``ValueError`` that lists the
 known ones. ``spec.build(config, layer_idx, kwargs)`` makes the module (``kwargs`` being the
-config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window);
+config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window; the config's ``fused`` and
+``recompute_states`` reach every mixer that reads them);
 ``spec.state_size(config, kwargs)`` is the recurrent memory per sequence and layer, in elements
 (``None`` for full attention, whose cache grows with the sequence).
 """
@@ -55,7 +56,7 @@ def _kdn(isotropic: bool) -> MixerSpec:
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         layer = cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
-                    layer_idx=idx, **kw)
+                    layer_idx=idx, fused=cfg.fused, recompute_states=cfg.recompute_states, **kw)
         if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (docs/math.md §5) survives weight init
             (layer.omega_proj if isotropic else layer.omega_proj[-1])._keep_init = True
         return layer
@@ -63,17 +64,33 @@ def _kdn(isotropic: bool) -> MixerSpec:
     def state(cfg: Any, kw: dict) -> int:
         return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
 
-    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", ("mu", "alpha_param", "noise", "backend"), build, state)
+    kwargs = ("mu", "alpha_param", "noise", "backend") + (() if isotropic else ("memory", "chunk_size"))
+    return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", kwargs, build, state)
+
+
+def mixer_heads(cfg: Any, kw: dict) -> int:
+    """A delta mixer's heads: ``kw["num_heads"]`` when given (GDN-2 only), else the backbone's ``num_heads``."""
+    heads = kw.get("num_heads", cfg.num_heads)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"mixer_kwargs['num_heads'] must be a positive int, got {heads!r}")
+    return heads
 
 
 def _delta(name: str) -> MixerSpec:
     cls = DELTA_MIXERS[name]
+    # GDN-2 may keep its own head count: the authors' GDN-2 is fla's layer at its default 16 heads at any width
+    kwargs = ("output_gate", "backend", "num_heads") if name == "gdn2" else ("output_gate", "backend")
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
-        return cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
-                   layer_idx=idx, **kw)
+        heads = mixer_heads(cfg, kw)
+        kw = {k: v for k, v in kw.items() if k != "num_heads"}
+        return cls(cfg.hidden_size, heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
+                   layer_idx=idx, fused=cfg.fused, recompute_states=cfg.recompute_states, **kw)
 
-    return MixerSpec(name, ("output_gate", "backend"), build, _matrix_state)
+    def state(cfg: Any, kw: dict) -> int:
+        return mixer_heads(cfg, kw) * cfg.head_dim * cfg.head_dim
+
+    return MixerSpec(name, kwargs, build, state)
 
 
 MAMBA3_KWARGS = ("state_size", "expand", "head_dim", "n_groups", "rope_fraction", "mimo_rank", "chunk_size",
@@ -97,7 +114,7 @@ def _mamba3(mimo: bool) -> MixerSpec:
         kw = {**kw, "state_size": mamba3_state_size(cfg, kw)}
         if not mimo and "mimo_rank" in kw:
             raise ValueError("mimo_rank applies to mamba3_mimo only")
-        return Mamba3(cfg.hidden_size, is_mimo=mimo, norm_eps=cfg.norm_eps, layer_idx=idx, **kw)
+        return Mamba3(cfg.hidden_size, is_mimo=mimo, norm_eps=cfg.norm_eps, layer_idx=idx, fused=cfg.fused, **kw)
 
     def state(cfg: Any, kw: dict) -> int:
         inner = int(kw.get("expand", 2) * cfg.hidden_size)
@@ -131,7 +148,7 @@ MIXERS: MixerRegistry = MixerRegistry({
     "deltanet": _delta("deltanet"),  # fla DeltaNet
     "gdn": _delta("gdn"),  # fla GatedDeltaNet
     "kda": _delta("kda"),  # fla KimiDeltaAttention
-    "gdn2": _delta("gdn2"),  # fla GatedDeltaNet2
+    "gdn2": _delta("gdn2"),  # fla GatedDeltaNet2 (num_heads, output_gate="swish_low_rank": the authors' GDN-2)
     "mamba3_siso": _mamba3(False),  # fla Mamba3, SISO
     "mamba3_mimo": _mamba3(True),  # fla Mamba3, MIMO (mimo_rank, default 4)
     "attn": _attn(),  # softmax attention with RoPE: sliding (window) or full (window=None)

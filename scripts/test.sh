@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[dev]"
 python3 -m ruff check .
-python3 -m pytest -q -m "not gpu"
+# Two workers on the 2-core CI machine, whole files per worker (module fixtures are built once); the slowest
+# tests are listed at the end.
+OMP_NUM_THREADS=1 python3 -m pytest -q -m "not gpu" -n auto --dist loadfile --durations=25

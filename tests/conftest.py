@@ -12,7 +12,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """With ``KDN_INSTAFAIL=1`` (bench/device.sh sets it), a failure's report is printed at once, so that a GPU run
+    """With ``KDN_INSTAFAIL=1`` (bench/gpu.sh sets it), a failure's report is printed at once, so that a GPU run
     stopped by its time limit still says why the tests before the limit failed."""
     if report.failed and _config:
         terminal = _config[0].pluginmanager.get_plugin("terminalreporter")

@@ -1,5 +1,5 @@
-"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput, the stage time limits
-of bench/device.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time), and
+"""The GPU tools' host-side logic: the Diagonal memory variants of bench.mixer_throughput (arguments), the stage
+time limits of bench/gpu.sh (a stage that ignores SIGTERM, as train.py does, is still stopped in time), and
 bench.warm_triton's workers (each compiles and runs its share of the configurations, untimed, and keeps no
 autotune results), in Triton's interpreter."""
 from __future__ import annotations
@@ -15,28 +15,28 @@ from pathlib import Path
 import pytest
 
 from bench.mixer_throughput import variant
-from kdn import triton_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_variant_sets_and_restores_the_memory_settings() -> None:
-    before = (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK)
-    with variant("kdn_diag@c32") as base:
-        assert base == "kdn_diag"
-        assert (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK) == ("dplr", 32)
-    with variant("kdn_diag@dplr"):
-        assert triton_ops.DIAG_MEMORY == "dplr"
-    with variant("kdn_iso") as base:
-        assert base == "kdn_iso"
-    assert (triton_ops.DIAG_MEMORY, triton_ops.DPLR_CHUNK) == before
+def test_variant_names_the_memory_settings() -> None:
+    """``kdn_diag@<tag>`` names the Diagonal memory route, passed to the layer and the op as arguments."""
+    assert variant("kdn_diag@c32") == ("kdn_diag", {"memory": "dplr", "chunk_size": 32})
+    assert variant("kdn_diag@dplr") == ("kdn_diag", {"memory": "dplr"})
+    assert variant("kdn_diag@asym") == ("kdn_diag", {"memory": "asym"})
+    assert variant("kdn_iso") == ("kdn_iso", {})
     for tag in ("x64", "c64"):
-        with pytest.raises(ValueError, match=f"unknown variant '{tag}'"), variant(f"kdn_diag@{tag}"):
-            pass
+        with pytest.raises(ValueError, match=f"unknown variant '{tag}'"):
+            variant(f"kdn_diag@{tag}")
+    import kdn
+
+    for name in ("kdn_diag@c32", "kdn_diag@dplr", "kdn_diag@asym"):  # every variant builds its layer
+        layer = kdn.DiagonalKDN(32, 2, 8, **variant(name)[1])
+        assert (layer.memory, layer.chunk_size) == (variant(name)[1]["memory"], variant(name)[1].get("chunk_size"))
 
 
 def _run_stages(script: str, env: dict[str, str]) -> tuple[str, float]:
-    src = (ROOT / "bench" / "device.sh").read_text()
+    src = (ROOT / "bench" / "gpu.sh").read_text()
     func = re.search(r"^run_stage\(\) \{.*?^\}", src, re.S | re.M).group(0)
     start = time.monotonic()
     proc = subprocess.run(["bash", "-c", f"LOG=/dev/null; START=$SECONDS; rc=0\n{func}\n{script}\necho rc=$rc"],
@@ -44,19 +44,19 @@ def _run_stages(script: str, env: dict[str, str]) -> tuple[str, float]:
     return proc.stdout, time.monotonic() - start
 
 
-def test_device_stages_stay_inside_the_call() -> None:
+def test_gpu_stages_stay_inside_the_run() -> None:
     env = {"PATH": "/usr/bin:/bin", "KILL_S": "1"}
     # a stage that ignores SIGTERM is killed KILL_S seconds after its limit
     out, took = _run_stages("run_stage stubborn bash -c 'trap \"\" TERM; sleep 30'",
-                            env | {"STAGE_S": "2", "DEVICE_S": "100"})
+                            env | {"STAGE_S": "2", "GPU_S": "100"})
     assert "limit 2 s)" in out and "=== stubborn exit 137" in out and "rc=137" in out, out
     assert took < 8, took
-    # a stage's limit is cut to what DEVICE_S leaves (minus KILL_S and 5 s for the tarball)
-    out, _ = _run_stages("run_stage quick true", env | {"STAGE_S": "100", "DEVICE_S": "17"})
+    # a stage's limit is cut to what GPU_S leaves (minus KILL_S and 5 s for the tarball)
+    out, _ = _run_stages("run_stage quick true", env | {"STAGE_S": "100", "GPU_S": "17"})
     assert "=== quick (" in out and "limit 11 s)" in out and "=== quick exit 0" in out and "rc=0" in out, out
     # and skipped when under 10 s would be left
-    out, _ = _run_stages("run_stage late true", env | {"STAGE_S": "100", "DEVICE_S": "15"})
-    assert "=== late skipped: DEVICE_S reached" in out and "rc=124" in out, out
+    out, _ = _run_stages("run_stage late true", env | {"STAGE_S": "100", "GPU_S": "15"})
+    assert "=== late skipped: GPU_S reached" in out and "rc=124" in out, out
 
 
 WARM_SCRIPT = r"""
@@ -133,10 +133,10 @@ def test_merge_joins_sweeps_of_two_gpus(tmp_path: Path, capsys: pytest.CaptureFi
     assert re.search(r"gdn\s+2048\s+RuntimeError: refused", table), table
 
 
-def test_device_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
+def test_gpu_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none"),
            "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PAIR_S": "120", "PAIR1_S": "60"}
-    proc = subprocess.run(["bash", "bench/device_pair.sh", "throughput=--help ; bench=norm_throughput --help",
+    proc = subprocess.run(["bash", "bench/gpu_pair.sh", "throughput=--help ; bench=norm_throughput --help",
                            "throughput=--help ; nope",
                            " env=BENCH_ARGS=--help ; throughput "],
                           env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)

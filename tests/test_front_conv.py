@@ -1,4 +1,4 @@
-"""The fused short convolutions of the front end (``kdn.triton_conv.front_conv``) against float64: the CPU through
+"""The fused short convolutions of the front end (``kdn.modules.conv.front_conv``) against float64: the CPU through
 Triton's interpreter, and CUDA. Outputs (``q, k`` normalised per head, ``v``, the passed-through columns) and the
 gradients of the joint projection and of the taps; batch rows and packed sequences (some shorter than the taps),
 ``V != K``, FP32 and bf16."""
@@ -16,7 +16,7 @@ CHECK = r"""
 import torch
 import torch.nn.functional as F
 from kdn.modules import ShortConv
-from kdn.triton_conv import front_conv
+from kdn.modules.conv import front_conv
 from kdn_inputs import rel_err
 
 
@@ -34,7 +34,7 @@ def reference(y, w, H, K, V, cu):
     return (*outs, y[..., at:])
 
 
-def check(device, dtype, B, T, H, K, V, extra, lens, seed):
+def check(device, dtype, B, T, H, K, V, extra, lens, seed, **tiles):
     gen = torch.Generator().manual_seed(seed)
     C = H * (2 * K + V)
     y = (torch.randn(B, T, C + extra, generator=gen) * 2).to(device, dtype)
@@ -46,7 +46,7 @@ def check(device, dtype, B, T, H, K, V, extra, lens, seed):
              torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, extra, generator=gen)]
     grads = [g.to(device) for g in grads]
     ys, ws = y.clone().requires_grad_(), w.clone().requires_grad_()
-    outs = front_conv(ys, ws, H, K, V, 1e-12, cu)
+    outs = front_conv(ys, ws, H, K, V, 1e-12, cu, **tiles)
     assert [o.dtype for o in outs] == [dtype] * 4
     torch.autograd.backward(outs, [g.to(dtype) for g in grads])
     y64, w64 = y.double().requires_grad_(), w.double().requires_grad_()
@@ -69,11 +69,11 @@ CASES = {  # dtype, B, T, H, K, V, passed-through columns, packed lengths
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-import kdn.triton_conv as tc
-tc.L_FWD, tc.L_BWD = 16, 8  # several programs along the tokens, some token blocks ending mid-sequence
 """ + CHECK + r"""
 cases = json.loads(sys.argv[1])
-print(json.dumps({n: check("cpu", getattr(torch, c[0]), *c[1:7], c[7], i) for i, (n, c) in enumerate(cases.items())}))
+tiles = {"tokens_fwd": 16, "tokens_bwd": 8}  # several programs along the tokens, some token blocks ending mid-sequence
+print(json.dumps({n: check("cpu", getattr(torch, c[0]), *c[1:7], c[7], i, **tiles)
+                  for i, (n, c) in enumerate(cases.items())}))
 """
 
 
@@ -96,7 +96,7 @@ COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdn import triton_conv as tc
+from kdn.modules import conv as tc
 
 n = 0
 for kernel in (tc._front_conv1d_fwd_kernel, tc._front_conv1d_bwd_kernel):
@@ -124,7 +124,7 @@ def test_front_conv_kernels_compile_for_hopper(tmp_path: Path) -> None:
 
 
 def test_front_conv_rejects_bad_shapes() -> None:
-    from kdn.triton_conv import front_conv
+    from kdn.modules.conv import front_conv
 
     with pytest.raises(ValueError, match="weight"):
         front_conv(torch.randn(1, 4, 40), torch.randn(40, 4), 2, 8, 8)  # C = 48 > 40 columns

@@ -1,14 +1,15 @@
 """The CUDA backend's fla-based paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-In FP32 against the float64 PyTorch reference: the whole ``kdn.triton_ops`` Diagonal and Isotropic memories through
-fla's asymmetric chunk-64 kernels and our WY backward (``DIAG_MEMORY = "asym"``; the Isotropic write key is ``beta k``;
-with an initial memory; the WY terms and chunk states kept from the forward, and recomputed in the backward,
-``triton_ops.RECOMPUTE_STATES``, with identical gradients), each through both of fla's paths for the diagonal blocks
-(``triton_ops.safe_gate``: tensor-core matmuls with bounded gates, the token loop under strong forgetting), with our
-gain kernels, every gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and the fused front end (our
-short convs + L2 norms, ``kdn.triton_conv``, fla's for the cached prefill; fla's KDA gate and gated norm) against the
-PyTorch front end in whole layers (padded, packed, prefill + decoding). Each runs in a fresh interpreter. (fla's DPLR
-kernels do not run in the interpreter; they are checked on the H200, ``tests/test_kdn_triton.py``.)
+In FP32 against the float64 PyTorch reference: the whole CUDA Diagonal and Isotropic KDN (``kdn.ops.triton.kdn``)
+through fla's asymmetric chunk-64 kernels and our WY backward (``memory="asym"``; the Isotropic write key is
+``beta k``; with an initial memory; the WY terms and chunk states kept from the forward, and recomputed in the
+backward, ``recompute_states=True``, with identical gradients), each through both of fla's paths for the diagonal
+blocks (``kdn.ops.triton.safe_gate``: tensor-core matmuls with bounded gates, the token loop under strong
+forgetting), with our gain kernels, every gradient (packed sequences: ``tests/test_kdn_varlen_interpret.py``); and the
+fused front end (our short convs + L2 norms, ``kdn.modules.conv``, fla's for the cached prefill; fla's KDA gate and
+gated norm) against the PyTorch front end (``fused=False``) in whole layers (padded, packed, prefill + decoding). Each
+runs in a fresh interpreter. (fla's DPLR kernels do not run in the interpreter; they are checked on the H200,
+``tests/test_kdn_triton.py``.)
 """
 from __future__ import annotations
 
@@ -31,9 +32,8 @@ sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 import kdn
-from kdn import triton_ops
+from kdn.ops import triton as kt
 from kdn_inputs import make_inputs, make_state, rel_err
-triton_ops.DIAG_MEMORY = "asym"
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
 for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False), (True, 65, -12.0, False),
@@ -49,7 +49,7 @@ for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False
     fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
     o64, (S64, e64) = fn(*(l64[n] for n in names), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, backend="torch")
-    tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
+    tf = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
     o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37)
     gen = torch.Generator().manual_seed(0)
     ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o64, S64, e64)]
@@ -57,14 +57,13 @@ for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False
     sum((a.double() * u).sum() for a, u in zip((o32, S32, e32), ups)).backward()
     errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
-    errs["safe_gate"] = float(bool(triton_ops.safe_gate(l32["g"])))
+    errs["safe_gate"] = float(bool(kt.safe_gate(l32["g"])))
     out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
     if with_S0 and not iso:  # the backward's recomputed WY terms and chunk states give the kept ones' gradients
-        triton_ops.RECOMPUTE_STATES = True
         lr = {n: t.detach().clone().requires_grad_() for n, t in l32.items()}
-        o_r, (S_r, e_r) = tf(*(lr[n] for n in names), mu, (lr.get("S0"), lr["u0"]), scale=0.37)
+        o_r, (S_r, e_r) = tf(*(lr[n] for n in names), mu, (lr.get("S0"), lr["u0"]), scale=0.37,
+                             recompute_states=True)
         sum((a.double() * u).sum() for a, u in zip((o_r, S_r, e_r), ups)).backward()
-        triton_ops.RECOMPUTE_STATES = False
         gap = max((lr[n].grad - l32[n].grad).abs().max().item() for n in lr)
         out[f"{'iso' if iso else 'diag_asym'}_T{T}_recompute_gap"] = {"gap": gap, "safe_gate": -1.0}
 print(json.dumps(out))
@@ -76,31 +75,33 @@ sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.modules", "fla.ops.kda.gate", "fla.modules.norm.fused_norm_gate")
 import kdn
-from kdn import modules
-from kdn.cache import RecurrentCache
+import kdn.modules.front_end as front_end
+import kdn.ops.gate as ops_gate
+from kdn.layers import RecurrentCache
 from kdn_inputs import rel_err
+# the fused kernels on CPU tensors (the interpreter runs them): fla_fused answers the modules' fused flag alone
+front_end.fla_fused = ops_gate.fla_fused = lambda t, fused=True: fused
 out = {}
 for cls in (kdn.DiagonalKDN, kdn.IsotropicKDN):
     torch.manual_seed(0)
     layer = cls(64, 2, 16, layer_idx=0, backend="torch")
+    plain = cls(64, 2, 16, layer_idx=0, backend="torch", fused=False)
+    plain.load_state_dict(layer.state_dict())
     x = torch.randn(2, 50, 64)
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :7] = 0
     cases = {"padded": ({"attention_mask": mask}, x), "packed": ({"cu_seqlens": torch.tensor([0, 20, 33, 50])}, x[:1])}
     for case, (kw, xin) in cases.items():
         res = {}
-        for fused in (False, True):
-            modules.fla_fused = (lambda t: True) if fused else (lambda t: False)
-            layer.zero_grad()
+        for fused, net in ((False, plain), (True, layer)):
             xi = xin.clone().requires_grad_()
-            o = layer(xi, **kw)[0]
+            o = net(xi, **kw)[0]
             w = torch.randn(o.shape, generator=torch.Generator().manual_seed(3))
             (o * w).sum().backward()
-            res[fused] = [o.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+            res[fused] = [o.detach(), xi.grad] + [p.grad for p in net.parameters()]
         names = ["o", "dx"] + [n for n, _ in layer.named_parameters()]
         out[f"{cls.__name__}_{case}"] = {n: rel_err(a, b) for n, a, b in zip(names, res[True], res[False])}
-    modules.fla_fused = lambda t: True  # prefill through the fused conv (its cache), then PyTorch decoding steps
-    with torch.no_grad():
+    with torch.no_grad():  # prefill through the fused conv (its cache), then PyTorch decoding steps
         full = layer(x)[0]
         cache = RecurrentCache()
         parts = [layer(x[:, :30], past_key_values=cache, use_cache=True)[0]]
@@ -125,7 +126,7 @@ def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
 def test_safe_gate_checks_fla_envelope() -> None:
     """fla's tensor-core diagonal blocks are taken only while no channel falls by more than 75 nats over 15
     consecutive tokens (checked on the steepest channel of each token, in any window)."""
-    from kdn.triton_ops import safe_gate
+    from kdn.ops.triton import safe_gate
 
     def gates(*runs: tuple[int, float], T: int = 64) -> torch.Tensor:
         g = -0.01 * torch.rand(2, T, 3, 8, generator=torch.Generator().manual_seed(0))
@@ -152,13 +153,13 @@ def test_safe_gate_checks_fla_envelope() -> None:
 
 STEEPEST = r"""
 import json, math, torch
-from kdn import triton_ops
+from kdn.ops.triton import safe_gate as sg
 out = {}
 for shape in ((2, 33, 3, 128), (1, 5, 2, 100), (3, 7, 1, 16)):
     g = -3 * torch.rand(shape, generator=torch.Generator().manual_seed(sum(shape)))
     rows = g.view(-1, shape[-1])
     rows[1, 4], rows[2, -1], rows[3, 0] = math.nan, -math.inf, -50.0
-    ours, ref = triton_ops._steepest_triton(g), g.amin(-1).neg()
+    ours, ref = sg._steepest_triton(g), g.amin(-1).neg()
     out[str(shape)] = bool(torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.nan_to_num(), ref.nan_to_num()))
     out[str(shape) + " nan row"] = bool(ours.view(-1)[1].isnan() and ours.view(-1)[2] == math.inf)
 print(json.dumps(out))
@@ -174,9 +175,8 @@ def test_steepest_channel_kernel_matches_amin() -> None:
 
 GATE_FWD = r"""
 import itertools, json, math, sys, torch
-from kdn import modules
-from kdn.triton_gate import kda_gate_fwd
-modules.FLA_FUSED = False  # the reference: PyTorch's softplus in FP32
+from kdn.ops.gate import kda_gate
+from kdn.ops.triton.gate import kda_gate_fwd
 dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 out = {}
 gen = torch.Generator().manual_seed(0)
@@ -188,7 +188,7 @@ for name, (B, T, H, K), lens in (("batch", (2, 130, 2, 32), None), ("packed", (1
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)])
     g, gc, steep = (x.cpu() for x in kda_gate_fwd(f.to(dev), A_log.to(dev), dt_bias.to(dev),
                                                    None if cu is None else cu.to(dev)))
-    ref = modules.kda_gate(f, A_log, dt_bias).view(B * T, H, K)
+    ref = kda_gate(f, A_log, dt_bias, fused=False).view(B * T, H, K)  # the reference: PyTorch's softplus in FP32
     starts = [b * T for b in range(B + 1)] if lens is None else cu.tolist()
     ref_gc = torch.empty_like(ref)
     for a, b in zip(starts, starts[1:]):  # chunk-local sums from each sequence's start, in log2 units
@@ -209,7 +209,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_kda_gate_pass_matches_torch(device: str) -> None:
-    """One pass of KDA's gate (``kdn.triton_gate``; on the CPU through the interpreter): the gate's output, its
+    """One pass of KDA's gate (``kdn.ops.triton.gate``; on the CPU through the interpreter): the gate's output, its
     chunk-local cumulative sums in log2 units (restarting at each packed sequence, empty and one-token ones included)
     and each token's steepest channel match PyTorch to FP32 rounding; a NaN input reaches exactly its row's check."""
     if device == "cpu":

@@ -1,9 +1,11 @@
 """The KDN mixers as modules: training path, causality, caching, padding, packing, options."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,11 +182,73 @@ def test_joint_linear_equals_separate_layers() -> None:
     torch.testing.assert_close(only, layers["b"](x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("preset", [None, "0"])
-def test_importing_kdn_opts_in_to_fla_gluon_convolutions_unless_set(preset: str | None) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "FLA_CONV_GLUON"}
-    if preset is not None:
-        env["FLA_CONV_GLUON"] = preset
-    out = subprocess.run([sys.executable, "-c", "import os, kdn; print(os.environ['FLA_CONV_GLUON'])"], env=env,
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == (preset or "1")
+IMPORT_ALL = r"""
+import importlib, json, os, pkgutil, sys
+before = dict(os.environ)
+import kdn
+after_kdn = dict(os.environ)
+names = sorted(m.name for m in pkgutil.walk_packages(kdn.__path__, "kdn."))
+failed = {}
+for name in names:  # each module first, from a clean slate of kdn modules: a cycle would leave one half-initialised
+    for loaded in [m for m in sys.modules if m == "kdn" or m.startswith("kdn.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        failed[name] = f"{type(e).__name__}: {e}"
+print(json.dumps({"env_changed": sorted(k for k in set(before) | set(after_kdn) if before.get(k) != after_kdn.get(k)),
+                  "modules": names, "failed": failed}))
+"""
+
+
+def test_every_kdn_module_imports_alone_and_import_kdn_leaves_the_environment() -> None:
+    """``import kdn`` neither sets nor changes an environment variable, and every module of the package imports first,
+    with no other ``kdn`` module loaded (an import cycle would leave one of them half-initialised)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
+    out = subprocess.run([sys.executable, "-c", IMPORT_ALL], env={**env, "PYTHONPATH": str(root)}, cwd=root,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["env_changed"] == [] and res["failed"] == {}, res
+    assert {"kdn.ops.api", "kdn.ops.triton.kdn", "kdn.modules.front_end", "kdn.layers.kdn"} <= set(res["modules"])
+
+
+def test_kdn_modules_have_no_import_cycle() -> None:
+    """The static import graph of ``kdn`` (every ``import``/``from`` of a ``kdn`` module, at any depth of the file)
+    has no cycle, and no file exceeds 600 lines."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "kdn"
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, (name, len(text.splitlines()))
+        deps = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kdn"):
+                # ``from pkg import submodule`` depends on the submodule; ``from mod import name`` on the module
+                subs = {f"{node.module}.{a.name}" for a in node.names}
+                found = {m for m in subs if (root.parent / m.replace(".", "/")).with_suffix(".py").exists()
+                         or (root.parent / m.replace(".", "/") / "__init__.py").exists()}
+                deps |= found if found == subs else found | {node.module}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("kdn")}
+        graph[name] = deps
+    graph = {n: {d for d in deps if d in graph and d != n} for n, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for d in graph[n]:
+            if state.get(d) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(d):] + [d])}")
+            if d not in state:
+                visit(d, stack + [d])
+        state[n] = 2
+
+    for n in graph:
+        if n not in state:
+            visit(n, [n])
+    assert len(graph) >= 25, sorted(graph)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kdn_inputs import make_inputs, make_state, rel_err
 
 import kdn
-from kdn import chunk as kchunk
+from kdn.ops import chunk as kchunk
 
 pytestmark = pytest.mark.gpu
 TOL = {"o": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "S0": 0.008, "g": 0.02, "omega": 0.02, "r": 0.02,
@@ -37,14 +37,15 @@ def _case(B: int, T: int, H: int, K: int, isotropic: bool, seed: int, g_min: flo
 
 
 def _run(case: dict, isotropic: bool, backend: str, dtype: torch.dtype, cu_seqlens: torch.Tensor | None = None,
-         upstream: dict | None = None) -> tuple[dict, dict]:
-    """Forward + backward; q, k, v in ``dtype``, gates and state in max(FP32, dtype)."""
+         upstream: dict | None = None, **settings: object) -> tuple[dict, dict]:
+    """Forward + backward; q, k, v in ``dtype``, gates and state in max(FP32, dtype); ``settings``: the Diagonal
+    memory route (``memory``, ``chunk_size``)."""
     gate_dt = torch.float64 if dtype == torch.float64 else torch.float32
     leaves = {n: t.detach().to(dtype if n in "qkv" else gate_dt).requires_grad_() for n, t in case.items()}
     fn = kdn.isotropic_kdn if isotropic else kdn.diagonal_kdn
     o, (S, uT) = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["omega"], leaves["r"],
                     initial_state=(leaves["S0"], leaves["u0"]), output_final_state=True,
-                    cu_seqlens=cu_seqlens, backend=backend)
+                    cu_seqlens=cu_seqlens, backend=backend, **settings)
     outs = {"o": o, "S": S, "uT": uT}
     if upstream is None:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -55,9 +56,11 @@ def _run(case: dict, isotropic: bool, backend: str, dtype: torch.dtype, cu_seqle
     return {n: t.detach() for n, t in outs.items()}, {**grads, "_upstream": upstream}
 
 
-def _compare(isotropic: bool, case: dict, tag: dict, cu_seqlens: torch.Tensor | None = None) -> dict:
+def _compare(isotropic: bool, case: dict, tag: dict, cu_seqlens: torch.Tensor | None = None,
+             **settings: object) -> dict:
     ref_out, ref_grad = _run(case, isotropic, "torch", torch.float64, cu_seqlens)
-    out, grad = _run(case, isotropic, "triton", torch.bfloat16, cu_seqlens, upstream=ref_grad["_upstream"])
+    out, grad = _run(case, isotropic, "triton", torch.bfloat16, cu_seqlens, upstream=ref_grad["_upstream"],
+                     **settings)
     errs = {n: rel_err(out[n], ref_out[n]) for n in out}
     errs.update({f"d{n}": rel_err(grad[n], ref_grad[n]) for n in case})
     for n, e in errs.items():
@@ -83,10 +86,10 @@ def test_triton_matches_float64_reference(isotropic: bool, K: int, H: int, T: in
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diag", "iso"])
 def test_triton_strong_forgetting(isotropic: bool) -> None:
     """Past fla's safe-gate envelope: the diagonal blocks go through fla's exact token loop."""
-    from kdn import triton_ops
+    from kdn.ops.triton import safe_gate
 
     case = _case(2, 1000, 4, 64, isotropic, seed=5, g_min=-12.0)
-    assert not bool(triton_ops.safe_gate(case["g"].float()))
+    assert not bool(safe_gate(case["g"].float()))
     _assert_within(_compare(isotropic, case, {"T": 1000, "H": 4, "K": 64, "g_min": -12.0, "safe_gate": False}))
 
 
@@ -94,11 +97,11 @@ def test_triton_strong_forgetting(isotropic: bool) -> None:
 @pytest.mark.parametrize("T,H,K", [(1000, 4, 64), (4096, 16, 128), (77, 2, 128)])
 def test_triton_safe_gate_at_the_envelope_edge(isotropic: bool, T: int, H: int, K: int) -> None:
     """Gates down to -4.9 nats a token (a sub-chunk may fall by 73.5 of the 75 nats allowed): the diagonal blocks go
-    through fla's tensor-core path (``triton_ops.safe_gate``), within the same tolerances."""
-    from kdn import triton_ops
+    through fla's tensor-core path (``kdn.ops.triton.safe_gate``), within the same tolerances."""
+    from kdn.ops.triton import safe_gate
 
     case = _case(2, T, H, K, isotropic, seed=T + K + 3, g_min=-4.9)
-    assert bool(triton_ops.safe_gate(case["g"].float()))
+    assert bool(safe_gate(case["g"].float()))
     _assert_within(_compare(isotropic, case, {"T": T, "H": H, "K": K, "g_min": -4.9, "safe_gate": True}))
 
 
@@ -125,8 +128,8 @@ def test_gain_scan_fp32_is_tight(isotropic: bool, softplus: bool, K: int) -> Non
     """The fused Triton gain alone, FP32 against float64: the gain, the final uncertainty and the gradient
     of every input (mu included); Diagonal also through its DPLR operands ``a = exp(g) k``, ``b = -kappa``, and
     with ``omega`` before its softplus (applied in the kernels)."""
-    from kdn import gain as tgain
-    from kdn import triton_ops
+    from kdn.ops import gain as tgain
+    from kdn.ops import triton as kt
 
     B, T, H = 2, 3000, 8
     x = make_inputs(B, T, H, K, K, isotropic=isotropic, seed=3, g_min=-3.0)
@@ -143,11 +146,11 @@ def test_gain_scan_fp32_is_tight(isotropic: bool, softplus: bool, K: int) -> Non
     if softplus:
         args64[2] = F.softplus(args64[2])
     if isotropic:
-        ref, out = tgain.isotropic_gain(*args64), triton_ops.isotropic_gain(*args32)
+        ref, out = tgain.isotropic_gain(*args64), kt.isotropic_gain(*args32)
     else:
         kappa64, p64 = tgain.diagonal_gain(*args64)
         ref = (kappa64, leaves64["g"].exp() * leaves64["k"], -kappa64, p64)
-        out = triton_ops.diagonal_gain_dplr(*args32, omega_softplus=softplus)
+        out = kt.diagonal_gain_dplr(*args32, omega_softplus=softplus)
     gen = torch.Generator(device="cuda").manual_seed(2)
     ups = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in ref]
     sum((t * u).sum() for t, u in zip(ref, ups)).backward()
@@ -227,13 +230,12 @@ def test_triton_zero_memory_and_scale(isotropic: bool) -> None:
 
 
 @pytest.mark.parametrize("cls", [kdn.DiagonalKDN, kdn.IsotropicKDN], ids=["diag", "iso"])
-def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fla's fused front-end kernels (conv, L2 norm, gate, gated norm) against the PyTorch front end:
+def test_fused_front_end_matches_pytorch(cls: type) -> None:
+    """The fused front-end kernels (conv, L2 norm, gate, gated norm) against the PyTorch front end (``fused=False``):
     a whole layer, padded and packed, forward and every gradient, under bf16 autocast."""
-    from kdn import modules
-
     torch.manual_seed(0)
-    layer = cls(256, 4, 64, layer_idx=0).cuda()
+    layers = {True: cls(256, 4, 64, layer_idx=0).cuda(), False: cls(256, 4, 64, layer_idx=0, fused=False).cuda()}
+    layers[False].load_state_dict(layers[True].state_dict())
     x = torch.randn(2, 200, 256, device="cuda")
     mask = torch.ones(2, 200, dtype=torch.long, device="cuda")
     mask[1, :37] = 0
@@ -241,7 +243,7 @@ def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPa
     for kw, xin in (({"attention_mask": mask}, x), ({"cu_seqlens": cu}, x[:1])):
         res = {}
         for fused in (False, True):
-            monkeypatch.setattr(modules, "FLA_FUSED", fused)
+            layer = layers[fused]
             layer.zero_grad()
             xi = xin.clone().requires_grad_()
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -249,7 +251,7 @@ def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPa
             w = torch.randn(o.shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
             (o.float() * w).sum().backward()
             res[fused] = [o.detach(), xi.grad] + [p.grad for p in layer.parameters()]
-        names = ["o", "dx"] + [n for n, _ in layer.named_parameters()]
+        names = ["o", "dx"] + [n for n, _ in layers[True].named_parameters()]
         errs = {n: rel_err(a, b) for n, a, b in zip(names, res[True], res[False])}
         case = "packed" if "cu_seqlens" in kw else "padded"
         _record({"variant": f"{cls.__name__}_fused_front_end", "case": case, **errs})
@@ -259,36 +261,25 @@ def test_fused_front_end_matches_pytorch(cls: type, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("T,H,K,g_min", [(1000, 4, 64, -12.0), (4096, 16, 128, -2.0)])
-def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: float,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DIAG_MEMORY = "dplr"``: fla's DPLR kernels at chunk 16 / 32 (exact pairwise decays, no gate bound assumed)
+def test_diagonal_dplr_chunk_sizes(chunk: int, T: int, H: int, K: int, g_min: float) -> None:
+    """``memory="dplr"``: fla's DPLR kernels at chunk 16 / 32 (exact pairwise decays, no gate bound assumed)
     for the Diagonal memory, fla's KDA tolerances, strong forgetting included. (Chunk 64 is refused: 2.3% on
     ``dg`` here, over the 2% tolerance.)"""
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")
-    monkeypatch.setattr(triton_ops, "DPLR_CHUNK", chunk)
     case = _case(2, T, H, K, False, seed=T + chunk, g_min=g_min)
-    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "dplr_chunk": chunk}))
+    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "dplr_chunk": chunk},
+                            memory="dplr", chunk_size=chunk))
 
 
 @pytest.mark.parametrize("T,H,K,g_min", [(1000, 16, 128, -2.0), (4096, 16, 128, -2.0), (1000, 4, 64, -12.0),
                                          (65, 1, 128, -2.0), (64, 16, 64, -2.0), (63, 1, 64, -2.0), (1, 1, 64, -2.0)])
-def test_diagonal_asymmetric_chunk_kernels(T: int, H: int, K: int, g_min: float,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DIAG_MEMORY = "asym"``: the Diagonal memory through fla's asymmetric chunk-64 kernels, every gradient
+def test_diagonal_asymmetric_chunk_kernels(T: int, H: int, K: int, g_min: float) -> None:
+    """``memory="asym"``: the Diagonal memory through fla's asymmetric chunk-64 kernels, every gradient
     within fla's KDA tolerances, strong forgetting included."""
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
     case = _case(2, T, H, K, False, seed=T + H + K + 7, g_min=g_min)
-    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "memory": "asym"}))
+    _assert_within(_compare(False, case, {"T": T, "H": H, "K": K, "g_min": g_min, "memory": "asym"}, memory="asym"))
 
 
-def test_diagonal_asymmetric_varlen_and_zero_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
+def test_diagonal_asymmetric_varlen_and_zero_memory() -> None:
     lengths = [1, 100, 63, 700, 64, 2]
     case = _case(1, sum(lengths), 16, 64, False, seed=8, g_min=-2.0)
     S0, u0 = make_state(len(lengths), 16, 64, 64, isotropic=False, seed=9)
@@ -309,8 +300,8 @@ def test_diagonal_asymmetric_varlen_and_zero_memory(monkeypatch: pytest.MonkeyPa
                                                           (None, 2, 1000, -2.0, True, True)],
                          ids=["padded", "packed_gate", "padded_gate"])
 def test_diagonal_gain_and_memory_fused(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool,
-                                        gate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DIAG_MEMORY = "asym"``: the gain and the memory as one autograd node, the gain's backward adding the
+                                        gate: bool) -> None:
+    """``memory="asym"``: the gain and the memory as one autograd node, the gain's backward adding the
     memory's ``dk`` and ``dg`` (``fused_errors`` of ``tests/test_kdn_triton_interpret.py``; with ``gate``, KDA's gate
     applied in the kernels), bf16 ``q, k, v``, ``mu`` and ``S0`` leaves: every gradient within fla's KDA tolerances of
     float64; the unfused composition within a bf16 rounding (its ``dk`` is autograd's bf16 sum, the fused one rounds
@@ -318,9 +309,6 @@ def test_diagonal_gain_and_memory_fused(lens: tuple[int, ...] | None, B: int, T:
     nothing else."""
     from test_kdn_triton_interpret import fused_errors
 
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
     r = fused_errors(lens, B, T, g_min, softplus, 16, 64, device="cuda", dtype=torch.bfloat16, gate=gate)
     for kind, errs in r.items():
         _record({"variant": f"diagonal_fused_vs_{kind}", "T": T, "varlen": lens, "omega_softplus": softplus,
@@ -334,12 +322,12 @@ def test_diagonal_gain_and_memory_fused(lens: tuple[int, ...] | None, B: int, T:
 
 @pytest.mark.parametrize("B,T,H,K,V", [(2, 1000, 4, 64, 64), (1, 4096, 16, 128, 128), (1, 200, 2, 96, 64)])
 def test_wy_backward_matches_fla(B: int, T: int, H: int, K: int, V: int) -> None:
-    """Our inter-chunk + WY backward (``kdn.triton_wy``) against fla's ``chunk_precond_kda_bwd_wy_dqkg`` on the
+    """Our inter-chunk + WY backward (``kdn.ops.triton.wy``) against fla's ``chunk_precond_kda_bwd_wy_dqkg`` on the
     inputs a bf16 training step gives it: every output within 1e-3 (both round the same bf16 products)."""
     from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_wy_dqkg
 
     from bench.wy_throughput import NAMES, _inputs
-    from kdn.triton_wy import chunk_asym_bwd_wy_dqkg
+    from kdn.ops.triton.wy import chunk_asym_bwd_wy_dqkg
 
     torch.manual_seed(B + T + H + K + V)
     x = _inputs(B, T, H, K, V)

@@ -1,14 +1,14 @@
 """The Triton kernels (fused gains forward and backward, fused recurrent decoding) on the CPU, through Triton's
 interpreter.
 
-``TRITON_INTERPRET=1`` must be set before ``kdn.triton_ops`` is imported, so the checks run in a fresh
-interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.gain``): value, final
+``TRITON_INTERPRET=1`` must be set before ``kdn.ops.triton`` is imported, so the checks run in a fresh
+interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.ops.gain``): value, final
 uncertainty and the gradient of every input (``mu`` and the initial uncertainty included). Sizes cross the
 Isotropic kernels' chunk boundaries (32 tokens), ``K`` is not a power of two, some tokens
-forget strongly (``g`` down to -12). Small forced segments (``triton_ops._SEG_OVERRIDE``) run the sequence-
+forget strongly (``g`` down to -12). Small forced segments (the kernels' ``segment_size``) run the sequence-
 parallel path: 4 Diagonal segments of 24 tokens and 3 Isotropic ones of a chunk, the last partial; by the
 default rule the Diagonal cases have segments of 64 tokens (2 here), the Isotropic ones a single segment.
-Diagonal KDN's gain and asymmetric memory as one autograd node (``triton_ops.diagonal_kdn``), padded and packed,
+Diagonal KDN's gain and asymmetric memory as one autograd node (``chunk_diagonal_kdn``), padded and packed,
 against the float64 reference and the unfused composition: :func:`fused_errors`.
 """
 from __future__ import annotations
@@ -26,15 +26,14 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from kdn import gain as ref, naive, triton_ops
+from kdn.ops import fused_recurrent, gain as ref, naive, triton as kt
 from kdn_inputs import make_inputs, make_state, rel_err
 
 
 def gain_case(iso, B, T, H, K, dtype, dplr=False, seg=None, softplus=False):
     # float64 reference on the same (dtype-rounded) key; every input a leaf; seg: tokens per segment; softplus:
     # omega given before its softplus (real values of both signs, some far below 0), applied in the kernels
-    triton_ops._SEG_OVERRIDE = seg
-    ns = triton_ops.gain_segments(iso, B * H, T)[1]
+    ns = kt.gain_segments(iso, B * H, T, seg)[1]
     x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T + K, g_min=-3.0)
     x["g"][:, T // 2:T // 2 + 4] *= 4.0  # strong forgetting: g down to -12
     x["k"] = x["k"].to(dtype).double()
@@ -50,18 +49,19 @@ def gain_case(iso, B, T, H, K, dtype, dplr=False, seg=None, softplus=False):
     args64 = [l64[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
     args32 = [l32[n] for n in ("k", "g", "omega", "r", "mu", "u0")]
     kw = {"omega_softplus": True} if softplus else {}
+    kw["segment_size"] = seg
     if softplus:
         args64[2] = torch.nn.functional.softplus(args64[2])
     if iso:
         outs64 = ref.isotropic_gain(*args64)
-        outs32 = triton_ops.isotropic_gain(*args32, out_dtype=dtype)
+        outs32 = kt.isotropic_gain(*args32, out_dtype=dtype, **kw)
     elif dplr:
         kappa, pT = ref.diagonal_gain(*args64)
         outs64 = (kappa, l64["g"].exp() * l64["k"], -kappa, pT)
-        outs32 = triton_ops.diagonal_gain_dplr(*args32, out_dtype=dtype, **kw)
+        outs32 = kt.diagonal_gain_dplr(*args32, out_dtype=dtype, **kw)
     else:
         outs64 = ref.diagonal_gain(*args64)
-        outs32 = triton_ops.diagonal_gain(*args32, out_dtype=dtype, **kw)
+        outs32 = kt.diagonal_gain(*args32, out_dtype=dtype, **kw)
     assert outs32[0].dtype == dtype and outs32[-1].dtype == torch.float32
     gen = torch.Generator().manual_seed(0)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs64]
@@ -70,7 +70,6 @@ def gain_case(iso, B, T, H, K, dtype, dplr=False, seg=None, softplus=False):
     names = ("gain", "a", "b", "final") if len(outs64) == 4 else ("gain", "final")
     errs = {n: rel_err(o32, o64) for n, o32, o64 in zip(names, outs32, outs64)}
     assert l32["k"].grad.dtype == dtype
-    triton_ops._SEG_OVERRIDE = None
     return ns, errs | {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
 
 
@@ -98,7 +97,8 @@ for iso in (False, True):
     rec = naive.isotropic_kdn_recurrent if iso else naive.diagonal_kdn_recurrent
     o64, (S64, e64) = rec(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], mu, (S0, u0))
     x32 = [x[n].float() for n in ("q", "k", "v", "g", "omega", "r")]
-    o32, (S32, e32) = triton_ops.fused_recurrent(*x32, mu.float(), (S0.float(), u0.float()), iso)
+    step = fused_recurrent.fused_recurrent_isotropic_kdn if iso else fused_recurrent.fused_recurrent_diagonal_kdn
+    o32, (S32, e32) = step(*x32, mu.float(), (S0.float(), u0.float()))
     out[("iso" if iso else "diag") + "_recurrent"] = (1e-5, {"o": rel_err(o32, o64), "S": rel_err(S32, S64),
                                                              "final": rel_err(e32, e64)})
 print(json.dumps({"errors": out, "segments": segments}))
@@ -107,17 +107,19 @@ print(json.dumps({"errors": out, "segments": segments}))
 
 def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool, H: int, K: int,
                  device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 gate: bool = False) -> dict[str, dict[str, float]]:
-    """``triton_ops.diagonal_kdn`` (``DIAG_MEMORY = "asym"``: the gain and the memory one autograd node), ``q, k, v``
+                 gate: bool = False, segment_size: int | None = None) -> dict[str, dict[str, float]]:
+    """``chunk_diagonal_kdn`` (``memory="asym"``: the gain and the memory one autograd node), ``q, k, v``
     in ``dtype``, ``mu`` and ``S0`` leaves, padded (``lens`` None) or packed; ``softplus``: ``omega`` before its
     softplus; ``gate``: ``g`` is the input of KDA's gate, applied in the kernels (``A_log`` and ``dt_bias`` leaves).
     Relative distances of its output, final states and every gradient to the float64 PyTorch backend (``ref``), to
     the unfused composition ``diagonal_gain`` + ``_AsymmetricMemory`` (``unfused``: autograd sums the two gradients
     of ``k`` and of ``g``, and takes ``g``'s through the gate), and to that composition with the memory's gradients of
-    ``k`` and ``g`` cut (``dropped``: what a missing accumulate would give)."""
+    ``k`` and ``g`` cut (``dropped``: what a missing accumulate would give). ``segment_size``: tokens per gain
+    segment (default: the rule)."""
     import kdn
-    from kdn import triton_ops
-    from kdn.modules import kda_gate
+    from kdn.ops import triton as kt
+    from kdn.ops.gate import kda_gate
+    from kdn.ops.triton.memory import _AsymmetricMemory
 
     names = ("q", "k", "v", "g", "omega", "r")
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=device)
@@ -136,12 +138,11 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
 
     def unfused(lv: dict[str, torch.Tensor], drop: bool) -> tuple[torch.Tensor, ...]:
         g = kda_gate(lv["g"], lv["A_log"], lv["dt_bias"]) if gate else lv["g"]
-        check = triton_ops.safe_gate(g)
-        kappa, pT = triton_ops.diagonal_gain(lv["k"], g, *(lv[n] for n in ("omega", "r", "mu", "u0")), dtype,
-                                             cu_seqlens=cu, omega_softplus=softplus)
+        check = kt.safe_gate(g)
+        kappa, pT = kt.diagonal_gain(lv["k"], g, *(lv[n] for n in ("omega", "r", "mu", "u0")), dtype,
+                                     cu_seqlens=cu, omega_softplus=softplus, segment_size=segment_size)
         k, g = (lv["k"].detach(), g.detach()) if drop else (lv["k"], g)
-        o, S = triton_ops._AsymmetricMemory.apply(lv["q"], k, kappa, lv["v"], g, None, lv["S0"], 0.37, True, cu,
-                                                  check)
+        o, S = _AsymmetricMemory.apply(lv["q"], k, kappa, lv["v"], g, None, lv["S0"], 0.37, True, cu, check, False)
         return o, S, pT
 
     def run(kind: str) -> dict[str, torch.Tensor]:
@@ -155,7 +156,8 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
             o, (S, uT) = kdn.diagonal_kdn(*(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]),
                                           output_final_state=True, backend="torch", **kw)
         elif kind == "fused":
-            o, (S, uT) = triton_ops.diagonal_kdn(*(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), **kw)
+            o, (S, uT) = kt.chunk_diagonal_kdn(*(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]),
+                                               segment_size=segment_size, **kw)
         else:
             o, S, uT = unfused(lv, kind == "dropped")
         gen = torch.Generator(device=device).manual_seed(0)
@@ -173,15 +175,13 @@ import json, sys, torch
 sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
-from kdn import triton_ops
 from test_kdn_triton_interpret import fused_errors
-triton_ops.DIAG_MEMORY = "asym"
-triton_ops._SEG_OVERRIDE = 24  # several gain segments a sequence: the accumulate runs in each
 cases = {  # name: (lengths of packed sequences or None, B, T, g_min, omega before its softplus[, KDA's gate inside])
     "padded": (None, 2, 77, -3.0, True),
     "packed": ((37, 64, 9), 1, 110, -12.0, False, "gate"),
 }
-out = {name: fused_errors(*case[:5], H=2, K=16, gate=len(case) > 5) for name, case in cases.items()}
+# 24-token gain segments: several a sequence, the accumulate runs in each
+out = {name: fused_errors(*case[:5], H=2, K=16, gate=len(case) > 5, segment_size=24) for name, case in cases.items()}
 print(json.dumps(out))
 """
 
@@ -201,22 +201,18 @@ def test_triton_kernels_in_interpreter_match_reference() -> None:
 def test_segment_rule() -> None:
     """``(tokens per segment, segments)``. Isotropic: >= 512 programs where the sequence allows, >= 8 chunks of 32
     tokens a segment; Diagonal (one warp a program): >= 4096 programs, >= 64 tokens a segment."""
-    from kdn import triton_ops
+    from kdn.ops.triton import gain_segments
 
-    assert triton_ops.gain_segments(True, 64, 8192) == (1024, 8)  # B=4, H=16, T=8K: 512 programs
-    assert triton_ops.gain_segments(True, 64, 8200) == (1056, 8)  # T not a multiple of the chunk
-    assert triton_ops.gain_segments(True, 2, 100) == (256, 1)  # short sequences: one segment
-    assert triton_ops.gain_segments(False, 64, 8192) == (128, 64)  # 4096 programs
-    assert triton_ops.gain_segments(False, 16, 32768) == (128, 256)  # B=1, T=32K
-    assert triton_ops.gain_segments(False, 64, 8200) == (129, 64)
-    assert triton_ops.gain_segments(False, 2, 100) == (64, 2)
-    triton_ops._SEG_OVERRIDE = 24
-    try:
-        assert triton_ops.gain_segments(False, 2, 100) == (24, 5)
-        with pytest.raises(ValueError, match="multiple of the chunk size 32"):
-            triton_ops.gain_segments(True, 2, 100)
-    finally:
-        triton_ops._SEG_OVERRIDE = None
+    assert gain_segments(True, 64, 8192) == (1024, 8)  # B=4, H=16, T=8K: 512 programs
+    assert gain_segments(True, 64, 8200) == (1056, 8)  # T not a multiple of the chunk
+    assert gain_segments(True, 2, 100) == (256, 1)  # short sequences: one segment
+    assert gain_segments(False, 64, 8192) == (128, 64)  # 4096 programs
+    assert gain_segments(False, 16, 32768) == (128, 256)  # B=1, T=32K
+    assert gain_segments(False, 64, 8200) == (129, 64)
+    assert gain_segments(False, 2, 100) == (64, 2)
+    assert gain_segments(False, 2, 100, 24) == (24, 5)
+    with pytest.raises(ValueError, match="multiple of the chunk size 32"):
+        gain_segments(True, 2, 100, 24)
 
 
 def test_fused_diagonal_gain_and_memory_in_interpreter() -> None:

@@ -98,23 +98,50 @@ def test_scale_and_zero_memory_state(isotropic: bool) -> None:
             fn(**x, scale=bad)
 
 
-def test_dplr_memory_refuses_chunk_64(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fla's DPLR kernels at chunk 64 miss the gradient tolerance under strong forgetting: refused before any kernel."""
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")
-    monkeypatch.setattr(triton_ops, "DPLR_CHUNK", 64)
+def test_dplr_memory_refuses_chunk_64() -> None:
+    """fla's DPLR kernels at chunk 64 miss the gradient tolerance under strong forgetting: refused before any kernel,
+    by the functional API on any backend and by the CUDA entry point."""
     x = make_inputs(1, 8, 2, 4, 4, isotropic=False, seed=0)
+    with pytest.raises(ValueError, match="memory='dplr' takes chunk_size 16 or 32, got 64"):
+        kdn.diagonal_kdn(**x, memory="dplr", chunk_size=64)
+    pytest.importorskip("triton")
+    from kdn.ops.triton import chunk_diagonal_kdn
+
     state = (None, torch.ones(1, 2, 4))
-    with pytest.raises(ValueError, match="DPLR_CHUNK must be 16 or 32, got 64"):
-        triton_ops.diagonal_kdn(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], torch.ones(2), state)
+    with pytest.raises(ValueError, match="memory='dplr' takes chunk_size 16 or 32, got 64"):
+        chunk_diagonal_kdn(x["q"], x["k"], x["v"], x["g"], x["omega"], x["r"], torch.ones(2), state, memory="dplr",
+                           chunk_size=64)
+
+
+def test_memory_settings_are_checked() -> None:
+    """The memory route and its settings are arguments, each checked with a one-line error naming the fix."""
+    x = make_inputs(1, 8, 2, 4, 4, isotropic=False, seed=0)
+    with pytest.raises(ValueError, match=r"memory must be one of \('asym', 'dplr'\), got 'bogus'"):
+        kdn.diagonal_kdn(**x, memory="bogus")
+    with pytest.raises(ValueError, match="memory='asym' runs chunks of 64 tokens"):
+        kdn.diagonal_kdn(**x, chunk_size=32)
+    with pytest.raises(ValueError, match="recompute_states must be True or False"):
+        kdn.diagonal_kdn(**x, recompute_states="yes")
+    ref, _ = kdn.diagonal_kdn(**x)
+    for kw in ({"memory": "dplr"}, {"memory": "dplr", "chunk_size": 32}, {"recompute_states": True}):
+        o, _ = kdn.diagonal_kdn(**x, **kw)  # CUDA routes: on the CPU the same PyTorch result
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    iso = make_inputs(1, 8, 2, 4, 4, isotropic=True, seed=0)
+    with pytest.raises(ValueError, match="recompute_states must be True or False"):
+        kdn.isotropic_kdn(**iso, recompute_states=1)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        kdn.DiagonalKDN(32, 2, 8, memory="bogus")
+    with pytest.raises(ValueError, match="IsotropicKDN runs the asymmetric memory only"):
+        kdn.IsotropicKDN(32, 2, 8, memory="dplr")
+    with pytest.raises(ValueError, match="fused must be True or False"):
+        kdn.DiagonalKDN(32, 2, 8, fused=None)
 
 
 def test_gate_inputs() -> None:
     """``gate=(A_log, dt_bias)``: ``g`` is the gate's input (positive values allowed), the result equals passing the
     gate's output; a wrong-shaped parameter or a non-pair is refused by name, and the triton pass checks its own."""
     from kdn.modules import kda_gate
-    from kdn.triton_gate import kda_gate_fwd
+    from kdn.ops.triton.gate import kda_gate_fwd
 
     x = make_inputs(2, 8, 2, 4, 3, isotropic=False)
     f = torch.randn(x["g"].shape, dtype=x["g"].dtype, generator=torch.Generator().manual_seed(1))

@@ -1,10 +1,10 @@
 """Packed sequences (``cu_seqlens``) in the CUDA backend, on the CPU through Triton's interpreter.
 
-Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.gain``) run on each
+Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.ops.gain``) run on each
 sequence alone with its own initial uncertainty: values, final states and every gradient. Lengths
 (1, 37, 64, 0, 5, 90) with forced segments of one and two 32-token chunks make segments end inside a sequence,
-at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``triton_ops.diagonal_kdn``
-(``DIAG_MEMORY = "asym"``, fla's asymmetric chunk-64 kernels) and ``isotropic_kdn`` (the same, write key ``beta k``)
+at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``chunk_diagonal_kdn``
+(``memory="asym"``, fla's asymmetric chunk-64 kernels) and ``chunk_isotropic_kdn`` (the same, write key ``beta k``)
 with ``cu_seqlens`` against ``kdn``'s PyTorch backend in float64 (which unpacks into a padded batch), every gradient
 including ``mu``, the initial memory ``S0 [N,H,K,V]`` and the uncertainty state (the Diagonal gain and memory as one
 fused node: ``tests/test_kdn_triton_interpret.py``). Each runs in a fresh interpreter.
@@ -32,7 +32,7 @@ def _offsets(lens: tuple[int, ...]) -> list[int]:
 
 def _reference_gains(iso: bool, dplr: bool, l64: dict, cu: list[int]) -> tuple[torch.Tensor, ...]:
     """float64 gains, each sequence alone with its own initial uncertainty (an empty one keeps it)."""
-    from kdn import gain as ref
+    from kdn.ops import gain as ref
 
     fn = ref.isotropic_gain if iso else ref.diagonal_gain
     gains, finals = [], []
@@ -54,42 +54,40 @@ def gain_errors(iso: bool, dplr: bool, lens: tuple[int, ...], H: int, K: int, se
                 device: str = "cpu") -> tuple[int, dict[str, float]]:
     """The fused gain with ``cu_seqlens`` (FP32) against :func:`_reference_gains`: the number of segments and
     the relative errors of the outputs and of every input's gradient. ``seg``: forced tokens per segment."""
-    from kdn import triton_ops
+    from kdn.ops import triton as kt
 
-    triton_ops._SEG_OVERRIDE = seg
-    try:
-        cu = _offsets(lens)
-        N, T = len(lens), cu[-1]
-        ns = triton_ops.gain_segments(iso, N * H, max(lens))[1]
-        x = make_inputs(1, T, H, K, K, isotropic=iso, seed=len(lens) + K, g_min=-3.0)
-        x["g"][:, 120:126] *= 4.0  # strong forgetting: g down to -12
-        u0 = make_state(N, H, K, K, isotropic=iso, seed=5)[1]
-        l64 = {n: x[n].to(device).requires_grad_() for n in NAMES[:4]}
-        l64 |= {"mu": torch.linspace(1.0, float(K), H, dtype=torch.float64, device=device).requires_grad_(),
-                "u0": u0.to(device).requires_grad_()}
-        l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
-        outs64 = _reference_gains(iso, dplr, l64, cu)
-        fn = triton_ops.isotropic_gain if iso else triton_ops.diagonal_gain_dplr if dplr else triton_ops.diagonal_gain
-        cu_t = torch.tensor(cu, dtype=torch.int32 if iso else torch.int64, device=device)
-        outs32 = fn(*(l32[n] for n in NAMES), cu_seqlens=cu_t)
-        gen = torch.Generator(device=device).manual_seed(0)
-        ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=device) for o in outs64]
-        sum((o * u).sum() for o, u in zip(outs64, ups)).backward()
-        sum((o.double() * u).sum() for o, u in zip(outs32, ups)).backward()
-    finally:
-        triton_ops._SEG_OVERRIDE = None
+    cu = _offsets(lens)
+    N, T = len(lens), cu[-1]
+    ns = kt.gain_segments(iso, N * H, max(lens), seg)[1]
+    x = make_inputs(1, T, H, K, K, isotropic=iso, seed=len(lens) + K, g_min=-3.0)
+    x["g"][:, 120:126] *= 4.0  # strong forgetting: g down to -12
+    u0 = make_state(N, H, K, K, isotropic=iso, seed=5)[1]
+    l64 = {n: x[n].to(device).requires_grad_() for n in NAMES[:4]}
+    l64 |= {"mu": torch.linspace(1.0, float(K), H, dtype=torch.float64, device=device).requires_grad_(),
+            "u0": u0.to(device).requires_grad_()}
+    l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
+    outs64 = _reference_gains(iso, dplr, l64, cu)
+    fn = kt.isotropic_gain if iso else kt.diagonal_gain_dplr if dplr else kt.diagonal_gain
+    cu_t = torch.tensor(cu, dtype=torch.int32 if iso else torch.int64, device=device)
+    outs32 = fn(*(l32[n] for n in NAMES), cu_seqlens=cu_t, segment_size=seg)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=device) for o in outs64]
+    sum((o * u).sum() for o, u in zip(outs64, ups)).backward()
+    sum((o.double() * u).sum() for o, u in zip(outs32, ups)).backward()
     names = ("gain", "a", "b", "final") if dplr else ("gain", "final")
     errs = {n: rel_err(o32, o64) for n, o32, o64 in zip(names, outs32, outs64)}
     return ns, errs | {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
 
 
 def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool, H: int, K: int,
-                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """``triton_ops.diagonal_kdn`` (the current ``DIAG_MEMORY``) or ``isotropic_kdn`` with ``cu_seqlens``,
-    ``q, k, v`` in ``dtype``, against ``kdn``'s PyTorch backend in float64: relative errors of the output, the
-    final states and every gradient (``mu``; ``S0 [N,H,K,V]`` when ``with_S0``, else a zero memory)."""
+                  device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  segment_size: int | None = None) -> dict[str, float]:
+    """``chunk_diagonal_kdn`` (``memory="asym"``) or ``chunk_isotropic_kdn`` with ``cu_seqlens``, ``q, k, v`` in
+    ``dtype``, gain segments of ``segment_size`` tokens (default: the rule), against ``kdn``'s PyTorch backend in
+    float64: relative errors of the output, the final states and every gradient (``mu``; ``S0 [N,H,K,V]`` when
+    ``with_S0``, else a zero memory)."""
     import kdn
-    from kdn import triton_ops
+    from kdn.ops import triton as kt
 
     cu = torch.tensor(_offsets(lens), device=device)
     N, T = len(lens), int(cu[-1])
@@ -103,9 +101,9 @@ def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool,
     fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
     o64, (S64, e64) = fn(*(l64[n] for n in MEMORY_NAMES), mu=l64["mu"], initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, cu_seqlens=cu, backend="torch")
-    tf = triton_ops.isotropic_kdn if iso else triton_ops.diagonal_kdn
+    tf = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
     o32, (S32, e32) = tf(*(l32[n] for n in MEMORY_NAMES), l32["mu"], (l32.get("S0"), l32["u0"]), scale=0.37,
-                         cu_seqlens=cu)
+                         cu_seqlens=cu, segment_size=segment_size)
     gen = torch.Generator(device=device).manual_seed(0)
     ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64, device=device) for t in (o64, S64, e64)]
     sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
@@ -137,12 +135,9 @@ import json, sys
 sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
-from kdn import triton_ops
 from test_kdn_varlen_interpret import memory_errors
-triton_ops.DIAG_MEMORY = "asym"
-triton_ops._SEG_OVERRIDE = 32
 iso = sys.argv[1] == "iso"
-out = {f"lens{lens}_g{g_min:g}": memory_errors(iso, lens, g_min, with_S0, 2, 16)
+out = {f"lens{lens}_g{g_min:g}": memory_errors(iso, lens, g_min, with_S0, 2, 16, segment_size=32)
        for lens, g_min, with_S0 in (((1, 37, 64, 5, 90), -3.0, True), ((70, 9), -12.0, False))}
 print(json.dumps(out))
 """
@@ -153,14 +148,14 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdn import triton_ops as t
-from kdn.triton_gate import _kda_gate_fwd_kernel
+from kdn.ops.triton import gain_diagonal as gd, gain_isotropic as gi, utils as tu
+from kdn.ops.triton.gate import _kda_gate_fwd_kernel
 
 BF16 = ("k_ptr", "kappa_ptr", "a_ptr", "b_ptr", "dk_ptr", "dkappa_ptr", "da_ptr", "db_ptr", "beta_ptr", "dbeta_ptr",
         "dk_mem_ptr")
-DIAG = (t._diag_seg_fwd_kernel, t._diag_carry_fwd_kernel, t._diag_gain_fwd_kernel, t._diag_seg_bwd_kernel,
-        t._diag_carry_bwd_kernel, t._diag_gain_bwd_kernel)
-ISO = (t._iso_seg_fwd_kernel, t._iso_gain_fwd_kernel, t._iso_seg_bwd_kernel, t._iso_gain_bwd_kernel)
+DIAG = (gd._diag_seg_fwd_kernel, gd._diag_carry_fwd_kernel, gd._diag_gain_fwd_kernel, gd._diag_seg_bwd_kernel,
+        gd._diag_carry_bwd_kernel, gd._diag_gain_bwd_kernel)
+ISO = (gi._iso_seg_fwd_kernel, gi._iso_gain_fwd_kernel, gi._iso_seg_bwd_kernel, gi._iso_gain_bwd_kernel)
 
 
 def compile_for_sm90(kernel, consts, varlen, t_is_one, warps):
@@ -186,12 +181,12 @@ for varlen, t_is_one, K in ((True, False, 128), (True, False, 64), (False, True,
         flags = {f: True for f in ("EMIT_AB", "ACCUMULATE") if f in kernel.arg_names}  # their branches on
         flags |= {"GATE": varlen} if "GATE" in kernel.arg_names else {}  # KDA's gate in the kernels, and not
         compile_for_sm90(kernel, {"H": 8, "K": K, "BK": BK, "IS_VARLEN": varlen} | flags, varlen, t_is_one,
-                         t._DIAG_WARPS)
+                         tu._DIAG_WARPS)
         n += 1
     if K == 128:
         for kernel in ISO:
-            bk = {"BK": BK} if kernel in (t._iso_seg_fwd_kernel, t._iso_gain_bwd_kernel) else {}
-            compile_for_sm90(kernel, {"H": 8, "K": K, "BT": t._ISO_BT, "IS_VARLEN": varlen} | bk, varlen, t_is_one,
+            bk = {"BK": BK} if kernel in (gi._iso_seg_fwd_kernel, gi._iso_gain_bwd_kernel) else {}
+            compile_for_sm90(kernel, {"H": 8, "K": K, "BT": tu._ISO_BT, "IS_VARLEN": varlen} | bk, varlen, t_is_one,
                              4)
             n += 1
 for varlen in (False, True):  # KDA's gate in one pass (the f_ptr of its input in fp32 here)
@@ -225,7 +220,7 @@ def test_packed_memory_in_interpreter_matches_reference(variant: str) -> None:
 def test_gain_kernels_compile_for_hopper(tmp_path: Path) -> None:
     """The compiled path types loop-carried values strictly (the interpreter does not): every gain kernel compiles
     to an sm_90 cubin on the CPU (Triton's bundled ptxas), packed and batched, bf16, with ``T = 1`` specialized, the
-    last backward launch with KDA's gate and without; and the one-pass gate (``kdn.triton_gate``), both ways."""
+    last backward launch with KDA's gate and without; and the one-pass gate (``kdn.ops.triton.gate``), both ways."""
     assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "28"
 
 
@@ -243,11 +238,8 @@ def test_packed_gains_compiled_match_reference(variant: str, K: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["diag_asym", "iso"])
-def test_packed_memory_compiled_matches_reference(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_memory_compiled_matches_reference(variant: str) -> None:
     """bf16 ``q, k, v`` within fla's KDA tolerances (as ``tests/test_kdn_triton.py``)."""
-    from kdn import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "asym")
     tol = {"o": 0.005, "S": 0.005, "uT": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dS0": 0.008}
     for lens, g_min, with_S0 in (((1, 100, 63, 700, 64, 2), -2.0, True), ((2000, 5, 129), -8.0, False)):
         errs = memory_errors(variant == "iso", lens, g_min, with_S0, 16, 64, device="cuda", dtype=torch.bfloat16)
@@ -265,9 +257,9 @@ def _gain_inputs(T: int, N: int, isotropic: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("isotropic", [False, True], ids=["diagonal", "isotropic"])
 def test_packed_gain_inputs_are_checked(isotropic: bool) -> None:
-    from kdn import triton_ops
+    from kdn.ops import triton as kt
 
-    fn = triton_ops.isotropic_gain if isotropic else triton_ops.diagonal_gain
+    fn = kt.isotropic_gain if isotropic else kt.diagonal_gain
     x = _gain_inputs(10, 2, isotropic)
     with pytest.raises(ValueError, match="int32/int64"):
         fn(*x, cu_seqlens=torch.tensor([0.0, 4.0, 10.0]))
@@ -282,12 +274,12 @@ def test_packed_gain_inputs_are_checked(isotropic: bool) -> None:
         fn(*batch, cu_seqlens=torch.tensor([0, 4, 10]))
 
 
-def test_dplr_memory_refuses_packed_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dplr_memory_refuses_packed_sequences() -> None:
     pytest.importorskip("fla")
-    from kdn import triton_ops
+    from kdn.ops import triton as kt
 
     k, g, omega, r, mu, p0 = _gain_inputs(10, 2, False)
     q, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
-    monkeypatch.setattr(triton_ops, "DIAG_MEMORY", "dplr")
-    with pytest.raises(NotImplementedError, match="kdn.api's unpacking for the DPLR memory"):
-        triton_ops.diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), cu_seqlens=torch.tensor([0, 4, 10]))
+    with pytest.raises(NotImplementedError, match="kdn.ops.api's unpacking for the DPLR memory"):
+        kt.chunk_diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), cu_seqlens=torch.tensor([0, 4, 10]),
+                              memory="dplr")

@@ -1,5 +1,5 @@
 """``kdn.modules.linear`` (stacked weights; FP32 weight gradients under autocast) and the joint SwiGLU
-(``kdn.triton_swiglu.swiglu_joint``: the CPU through Triton's interpreter, and CUDA), against float64."""
+(``kdn.modules.swiglu.swiglu_joint``: the CPU through Triton's interpreter, and CUDA), against float64."""
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +59,7 @@ def test_linear_under_autocast_has_fp32_weight_gradients(bias: bool) -> None:
 def test_cached_weight_casts_reuse_one_cast_and_keep_the_gradients() -> None:
     """Inside ``cached_weight_casts`` two micro-batches share one cast of the stacked weights (the same tensor is saved
     for both backwards) and accumulate the same gradients as without it; outside, every call casts afresh."""
-    from kdn import modules
+    from kdn.modules import front_end
 
     gen = torch.Generator().manual_seed(6)
     x, ws, b = _operands("cpu", True, gen)
@@ -68,7 +68,7 @@ def test_cached_weight_casts_reuse_one_cast_and_keep_the_gradients() -> None:
     def grads(cached: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         leaves = [t.clone().requires_grad_() for t in [*ws, b]]
         saved = []
-        with modules.cached_weight_casts() if cached else contextlib.nullcontext():
+        with front_end.cached_weight_casts() if cached else contextlib.nullcontext():
             for dy in dys:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     y = linear(x, leaves[:3], leaves[3])
@@ -78,7 +78,7 @@ def test_cached_weight_casts_reuse_one_cast_and_keep_the_gradients() -> None:
 
     (g_plain, s_plain), (g_cached, s_cached) = grads(False), grads(True)
     assert s_cached[0] is s_cached[1] and s_plain[0] is not s_plain[1]
-    assert modules._CAST_CACHE is None  # dropped on leaving
+    assert front_end._CAST_CACHE is None  # dropped on leaving
     for a, c in zip(g_plain, g_cached):
         assert torch.equal(a, c)
 
@@ -104,7 +104,7 @@ SCRIPT = r"""
 import json, sys, torch
 import torch.nn.functional as F
 sys.path.insert(0, "tests")
-from kdn.triton_swiglu import swiglu_joint
+from kdn.modules.swiglu import swiglu_joint
 from kdn_inputs import rel_err
 
 out = {}
@@ -134,7 +134,7 @@ def test_swiglu_joint_in_interpreter_matches_float64() -> None:
 
 
 def test_swiglu_joint_rejects_odd_width() -> None:
-    from kdn.triton_swiglu import swiglu_joint
+    from kdn.modules.swiglu import swiglu_joint
 
     with pytest.raises(ValueError, match="even last dimension"):
         swiglu_joint(torch.randn(2, 5))
@@ -148,7 +148,7 @@ def test_linear_under_cuda_autocast(bias: bool) -> None:
 
 @pytest.mark.gpu
 def test_swiglu_joint_cuda_matches_float64() -> None:
-    from kdn.triton_swiglu import swiglu_joint
+    from kdn.modules.swiglu import swiglu_joint
 
     gen = torch.Generator().manual_seed(1)
     for M, I in ((8 * 4096, 5504), (77, 300)):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.cache import RecurrentCache
+from kdn.layers import RecurrentCache
 from models.layers.attention import Attention
 from models.layers.delta import DELTA_MIXERS, fla_layer_kwargs, fla_state_dict_map
 from models.layers.mamba3 import Mamba3, mamba3_scan, rotate

@@ -1,7 +1,7 @@
 """The delta-rule baselines' fla kernel paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-FP32, one fresh interpreter: for Gated DeltaNet, KDA (through ``kdn.triton_ops.kda``) and GDN-2, the
-``backend="fla"`` path (with the fused front end: ``kdn.triton_conv``, fla's KDA gate and norms) against the PyTorch
+FP32, one fresh interpreter: for Gated DeltaNet, KDA (through ``kdn.ops.triton.chunk_kda``) and GDN-2, the
+``backend="fla"`` path (with the fused front end: ``kdn.modules.conv``, fla's KDA gate and norms) against the PyTorch
 path, output and every gradient, on a padded batch; and our layer against fla's own layer with the mapped weights.
 DeltaNet is left to the GPU test (``tests/test_mixers_gpu.py``): fla's ``chunk_delta_rule`` refuses FP32 and the
 interpreter's bf16 emulation overflows.
@@ -21,11 +21,12 @@ import triton_interpret
 triton_interpret.enable("fla.layers", "fla.ops.gated_delta_rule", "fla.ops.kda", "fla.ops.gdn2",
                         "fla.ops.precond_kda.chunk")
 from fla import layers as fla_layers
-from kdn import modules
+import kdn.modules.front_end as front_end
+import kdn.ops.gate as ops_gate
 from kdn_inputs import rel_err
 from models.layers.delta import DELTA_MIXERS, _DeltaRule, fla_layer_kwargs, fla_state_dict_map
 _DeltaRule.resolve_backend = lambda self, device: self.backend or "torch"  # fla's kernels on CPU tensors
-modules.fla_fused = lambda t: True
+front_end.fla_fused = ops_gate.fla_fused = lambda t, fused=True: fused  # the fused kernels on CPU tensors
 fla_cls = {"gdn": fla_layers.GatedDeltaNet, "kda": fla_layers.KimiDeltaAttention, "gdn2": fla_layers.GatedDeltaNet2}
 out = {}
 for name, cls in fla_cls.items():

@@ -1,4 +1,4 @@
-"""The fused residual add + RMSNorm (``kdn.triton_norm``) on the CPU through Triton's interpreter, against float64:
+"""The fused residual add + RMSNorm (``kdn.modules.norm``) on the CPU through Triton's interpreter, against float64:
 the normed output, the new FP32 stream and the gradients of the sublayer output, the stream and the weight, with
 and without an incoming stream, with the stream's gradient and without it, ``D`` not a power of two and the rows
 not a multiple of the backward's ``ROWS``. FP32 end to end must match to 1e-6; bf16 outputs to their rounding."""
@@ -12,7 +12,7 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from kdn.triton_norm import add_rms_norm
+from kdn.modules.norm import add_rms_norm
 from kdn_inputs import rel_err
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -58,7 +58,7 @@ def test_add_rms_norm_in_interpreter_matches_float64() -> None:
 def test_add_rms_norm_rejects_bad_operands() -> None:
     import torch
 
-    from kdn.triton_norm import add_rms_norm
+    from kdn.modules.norm import add_rms_norm
 
     x = torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match="residual must be FP32 with x's shape"):

@@ -186,7 +186,7 @@ def test_budget_derives_accumulation_steps_and_warmup() -> None:
         derive_budget(_budget_cfg(token_budget=100, global_batch_tokens=4096), world_size=1)
 
 
-def test_metrics_helpers(tmp_path) -> None:
+def test_metrics_jsonl_tools(tmp_path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)))
     truncate_jsonl(path, 4)

@@ -1,4 +1,4 @@
-"""``kdn.triton_wy.chunk_asym_bwd_wy_dqkg`` on the CPU through Triton's interpreter (``tests/triton_interpret.py``),
+"""``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg`` on the CPU through Triton's interpreter (``tests/triton_interpret.py``),
 against fla's ``chunk_precond_kda_bwd_wy_dqkg`` on the same FP32 inputs: all seven outputs to 1e-5 (relative), with
 T not a multiple of the chunk, several K-blocks (their shares of dA and db summed; K not a multiple of BK), several
 V-blocks, and packed sequences. The interpreter runs each autotuner's first config; the cases choose it (``BV``).
@@ -21,7 +21,7 @@ triton_interpret.enable("fla.ops.precond_kda.chunk_bwd", "fla.ops.utils")
 from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_wy_dqkg
 from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 from fla.ops.utils.constant import RCP_LN2
-from kdn import triton_wy
+from kdn.ops.triton import wy as triton_wy
 from kdn_inputs import rel_err
 
 NAMES = ("dq", "dk", "dkg", "dv2", "db", "dg", "dA")

@@ -87,6 +87,7 @@ class TrainerConfig:
     export: bool = True  # write <run_dir>/hf at the end
     reshard: bool = False  # allow resuming on another world size (same global data cursor; not bit-exact)
     recompute_states: bool = False  # CUDA: the delta-rule memories' backward recomputes what their forward could keep
+    # (passed to the model config's recompute_states)
 
 
 @dataclass
@@ -274,6 +275,7 @@ def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
 
     _choice(c.model.size, "model.size", list(SIZES))
     overrides = dict(c.model.overrides)
+    overrides.setdefault("recompute_states", c.trainer.recompute_states)  # memory against speed (docs/results.md)
     if c.backbone.window is not None:
         overrides["window"] = c.backbone.window
     try:

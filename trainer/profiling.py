@@ -75,7 +75,7 @@ def summarize(prof: profile, wall_ms: float, steps: int, rows: int) -> dict[str,
 class StepProfiler:
     """Profiles the optimiser steps ``start + 1 .. start + steps`` of a run on the main process, then writes
     ``out_dir/summary.json`` (:func:`summarize` plus the safe-gate reads of those steps: how many mixer calls took
-    fla's tensor-core diagonal blocks and how many the exact token loop, ``kdn.triton_ops.safe_gate``) and
+    fla's tensor-core diagonal blocks and how many the exact token loop, ``kdn.ops.triton.safe_gate``) and
     ``out_dir/trace.json.gz`` (open it in Perfetto or chrome://tracing). ``steps = 0`` or a resumed run already
     past ``start`` profiles nothing."""
 
@@ -134,9 +134,9 @@ class StepProfiler:
 
 
 def _safe_gate_reads() -> Counter[bool]:
-    """``kdn.triton_ops.SAFE_GATE_READS`` when the CUDA backend is importable, else empty."""
+    """``kdn.ops.triton.SAFE_GATE_READS`` when the CUDA backend is importable, else empty."""
     try:
-        from kdn.triton_ops import SAFE_GATE_READS
+        from kdn.ops.triton import SAFE_GATE_READS
     except ImportError:
         return Counter()
     return SAFE_GATE_READS

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.cache import RecurrentCache
+from kdn.layers import RecurrentCache
 from kdn.modules import Linear, positions_in_sequence
 from models.layers.common import check_cu_seqlens, current_mask
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the mixers: padding masks, packed sequences, norms.
+"""Shared by the mixers: padding masks, packed sequences, norms.
 
 Conventions (all mixers): ``hidden_states [B, T, d_model]``; ``attention_mask [B, T']`` with 1 for
 tokens and 0 for padding, of which the last ``T`` columns describe the current tokens (Hugging Face
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kdn._validate import check_cu_seqlens
 from kdn.modules import RMSNorm, current_mask
-from kdn.packing import repack, unpack
+from kdn.ops.packing import repack, unpack
+from kdn.ops.validate import check_cu_seqlens
 
 __all__ = ["current_mask", "repack", "unpack", "unpack_all", "check_cu_seqlens", "last_index", "RMSNorm"]
 

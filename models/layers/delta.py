@@ -5,13 +5,16 @@ Each mixer has exactly the parameters of fla's layer of the same name (``fla.lay
 model's ``num_heads x head_dim`` (so every delta mixer carries the same ``H x K x V`` memory as KDN).
 Projections, short convolutions, the retention gate and the output block come from
 :class:`kdn.modules.DeltaFrontEnd`; only the output block follows each fla layer (``output_gate``):
-``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet) or
-``"none"`` (plain RMSNorm: DeltaNet).
+``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet),
+``"swish_low_rank"`` (the low-rank gate with bias, swish-activated: the GDN-2 layer of the paper's authors' release,
+whose other parameters are fla's ``GatedDeltaNet2``'s) or ``"none"`` (plain RMSNorm: DeltaNet).
 
 Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
-``r``, write vector ``kappa``, value ``u``), which :func:`kdn.chunk.memory_chunk` scans on any device
+``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.chunk.memory_chunk` scans on any device
 (``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``; KDA through ours, :class:`KDA`).
-Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents.
+Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents. ``fused``: the fused CUDA
+front end (:class:`kdn.modules.DeltaFrontEnd`); ``recompute_states``: KDA's memory backward recomputes its states
+(:func:`kdn.ops.triton.kdn.chunk_kda`).
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kdn.cache import RecurrentCache
-from kdn.chunk import MEMORY_CHUNK, memory_chunk
+from kdn.layers import RecurrentCache
 from kdn.modules import DeltaFrontEnd, GatedRMSNorm, Linear, upcast
+from kdn.ops.chunk import MEMORY_CHUNK, memory_chunk
 from models.layers.common import (
     RMSNorm,
     check_cu_seqlens,
@@ -34,9 +37,9 @@ from models.layers.common import (
 )
 
 if TYPE_CHECKING:
-    from kdn.triton_ops import SafeGate
+    from kdn.ops.triton.safe_gate import SafeGate
 
-OUTPUT_GATES = ("sigmoid", "swish", "none")
+OUTPUT_GATES = ("sigmoid", "swish", "swish_low_rank", "none")
 BACKENDS = ("torch", "fla")
 
 
@@ -45,23 +48,26 @@ class FrontEnd(DeltaFrontEnd):
 
     def __init__(
         self, hidden_size: int, num_heads: int, head_dim: int, *, gate: str, output_gate: str,
-        conv_size: int, norm_eps: float,
+        conv_size: int, norm_eps: float, fused: bool = True,
     ) -> None:
         if output_gate not in OUTPUT_GATES:
             raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
-        super().__init__(hidden_size, num_heads, head_dim, conv_size=conv_size, norm_eps=norm_eps, gate=gate)
+        super().__init__(hidden_size, num_heads, head_dim, conv_size=conv_size, norm_eps=norm_eps, gate=gate,
+                         fused=fused)
         self.output_gate = output_gate
         if output_gate == "swish":
             self.g_proj = Linear(hidden_size, self.H * self.V, bias=False)
-            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish")
+            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
+        elif output_gate == "swish_low_rank":
+            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
         elif output_gate == "none":
             del self.g_proj
-            self.o_norm = RMSNorm(self.V, norm_eps)
+            self.o_norm = RMSNorm(self.V, norm_eps, fused=fused)
 
     def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
         """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``; ``p``:
         the projections of the layer input (``DeltaFrontEnd.inputs``)."""
-        if self.output_gate == "sigmoid":
+        if self.output_gate in ("sigmoid", "swish_low_rank"):
             return super().output(o, p)
         B, T = o.shape[:2]
         if self.output_gate == "swish":
@@ -76,21 +82,22 @@ class _DeltaRule(nn.Module, abc.ABC):
 
     gate: str = "channel"
     output_gate_default: str = "sigmoid"
-    checks_safe_gate = False  # fla_call gets kdn.triton_ops.safe_gate(g) (fla's tensor-core path when it is exact)
+    checks_safe_gate = False  # fla_call gets kdn.ops.triton.safe_gate(g) (fla's tensor-core path when it is exact)
 
     def __init__(
         self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
         output_gate: str | None = None, conv_size: int = 4, norm_eps: float = 1e-5,
-        layer_idx: int | None = None, backend: str | None = None,
+        layer_idx: int | None = None, backend: str | None = None, fused: bool = True,
+        recompute_states: bool = False,
     ) -> None:
         super().__init__()
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.layer_idx, self.backend = layer_idx, backend
+        self.layer_idx, self.backend, self.recompute_states = layer_idx, backend, recompute_states
         self.front = FrontEnd(hidden_size, num_heads, head_dim, gate=self.gate,
                               output_gate=output_gate or self.output_gate_default,
-                              conv_size=conv_size, norm_eps=norm_eps)
+                              conv_size=conv_size, norm_eps=norm_eps, fused=fused)
 
     # -- per-rule pieces ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -112,7 +119,7 @@ class _DeltaRule(nn.Module, abc.ABC):
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
         """Run fla's chunk kernel for this rule (CUDA); ``q`` unscaled, ``S0 [N,H,K,V]`` FP32 or ``None``;
-        ``check``: ``kdn.triton_ops.safe_gate(g)`` when the class sets ``checks_safe_gate``, else ``None``."""
+        ``check``: ``kdn.ops.triton.safe_gate(g)`` when the class sets ``checks_safe_gate``, else ``None``."""
 
     def effective_strength(self, k: Tensor, terms: dict[str, Tensor]) -> Tensor:
         """``r_t^T kappa_t`` per token, ``[B, T, H]`` (the rule's ``beta_eff``)."""
@@ -149,7 +156,7 @@ class _DeltaRule(nn.Module, abc.ABC):
         fla = self.resolve_backend(x.device) == "fla"
         check = None
         if fla and self.checks_safe_gate:  # read in fla_call, once write_terms' kernels are queued
-            from kdn.triton_ops import safe_gate
+            from kdn.ops.triton import safe_gate
 
             check = safe_gate(g)
         terms = self.write_terms(p)
@@ -257,11 +264,12 @@ class GatedDeltaNet(_ScalarBetaRule):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         if self.runs_as_kda():  # forward made the check (checks_safe_gate)
-            from kdn.triton_ops import kda
+            from kdn.ops.triton import chunk_kda
 
             gk = g.float()[..., None].expand_as(k).contiguous()
-            return kda(q, k, v, gk, terms["beta"].to(q.dtype), self.head_dim ** -0.5, S0, output_final_state,
-                       cu_seqlens, check)
+            return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
+                             recompute_states=self.recompute_states)
         return chunk_gated_delta_rule(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                                       initial_state=S0, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens)
@@ -269,8 +277,8 @@ class GatedDeltaNet(_ScalarBetaRule):
 
 class KDA(_ScalarBetaRule):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head. On CUDA the rule
-    runs through :func:`kdn.triton_ops.kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it: fla's
-    chunk-64 kernels with our faster WY backward), the values of fla's ``chunk_kda``."""
+    runs through :func:`kdn.ops.triton.chunk_kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it:
+    fla's chunk-64 kernels with our faster WY backward), the values of fla's ``chunk_kda``."""
 
     gate = "channel"
     output_gate_default = "sigmoid"
@@ -280,10 +288,11 @@ class KDA(_ScalarBetaRule):
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
-        from kdn.triton_ops import kda
+        from kdn.ops.triton import chunk_kda
 
-        return kda(q, k, v, g.float(), terms["beta"].to(q.dtype), self.head_dim ** -0.5, S0, output_final_state,
-                   cu_seqlens, check)
+        return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
+                         initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
+                         recompute_states=self.recompute_states)
 
 
 class GDN2(_DeltaRule):

@@ -20,10 +20,11 @@ from kdn.modules import fla_fused
 IGNORE = -100
 
 
-def _chunk_ce(logits: Tensor, target: Tensor, scale: Tensor) -> Tensor:
+def _chunk_ce(logits: Tensor, target: Tensor, scale: Tensor, fused: bool) -> Tensor:
     """Summed cross-entropy of one chunk, ``logits [C, V]``, ``target [C]`` (``IGNORE`` skipped); overwrites
-    ``logits`` with ``scale * dloss/dlogits`` (in its dtype). Computed in at least FP32."""
-    if fla_fused(logits):
+    ``logits`` with ``scale * dloss/dlogits`` (in its dtype). Computed in at least FP32; ``fused``: fla's kernels
+    on CUDA."""
+    if fla_fused(logits, fused):
         from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd, cross_entropy_fwd
 
         loss, _, lse, _, _ = cross_entropy_fwd(logits, target, ignore_index=IGNORE)
@@ -46,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, target: Tensor, weight: Tensor,
-                num_chunks: int) -> Tensor:
+                num_chunks: int, fused: bool) -> Tensor:
         N = x.shape[0]
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(x.dtype)
@@ -60,7 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, N, size):
                 cx = x[start:start + size]
                 logits = cx @ w.t()  # [C, V], overwritten with its gradient
-                loss += _chunk_ce(logits, target[start:start + size], scale)
+                loss += _chunk_ce(logits, target[start:start + size], scale, fused)
                 dx[start:start + size] = logits @ w
                 if acc != x.dtype and x.is_cuda:  # bf16 operands, FP32 sums and output
                     dw = torch.addmm(dw, logits.t(), cx, out_dtype=acc)
@@ -73,29 +74,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dloss: Tensor) -> tuple[Tensor | None, ...]:
         dx, dw = ctx.saved_tensors
-        return (dx * dloss).to(dx.dtype), None, (dw * dloss).to(ctx.weight_dtype), None
+        return (dx * dloss).to(dx.dtype), None, (dw * dloss).to(ctx.weight_dtype), None, None
 
 
 @torch.compiler.disable  # a Python loop over chunks around Triton kernels: run eagerly inside compiled models
-def linear_cross_entropy(x: Tensor, target: Tensor, weight: Tensor, num_chunks: int = 8) -> Tensor:
+def linear_cross_entropy(x: Tensor, target: Tensor, weight: Tensor, num_chunks: int = 8, fused: bool = True) -> Tensor:
     """Mean cross-entropy of ``x @ weight.T`` against ``target``, never holding all the logits.
 
     ``x [..., d]``, ``target [...]`` (class ids, ``-100`` ignored), ``weight [V, d]``; ``num_chunks`` chunks of
-    tokens. Returns an FP32 (FP64 for FP64 inputs) scalar, 0 when every target is ignored."""
+    tokens; ``fused``: fla's cross-entropy kernels on CUDA. Returns an FP32 (FP64 for FP64 inputs) scalar, 0 when
+    every target is ignored."""
     if x.shape[:-1] != target.shape or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear_cross_entropy needs x [..., d], target [...] and weight [V, d]; got x "
                          f"{list(x.shape)}, target {list(target.shape)}, weight {list(weight.shape)}")
-    return _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, num_chunks)
+    return _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, num_chunks, fused)
 
 
 class LMHead(nn.Linear):
     """``nn.Linear(hidden_size, vocab_size, bias=False)``: ``head(h)`` gives logits ``[..., V]`` in ``h``'s dtype;
-    ``head(h, target)`` gives :func:`linear_cross_entropy` without the logits."""
+    ``head(h, target)`` gives :func:`linear_cross_entropy` without the logits (``fused``: fla's kernels on CUDA)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, *, fused: bool = True) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
+        self.fused = fused
 
     def forward(self, x: Tensor, target: Tensor | None = None) -> Tensor:  # type: ignore[override]
         if target is None:
             return super().forward(x)
-        return linear_cross_entropy(x, target, self.weight)
+        return linear_cross_entropy(x, target, self.weight, fused=self.fused)

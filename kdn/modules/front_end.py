@@ -1,0 +1,391 @@
+"""The front end shared by KDN and the delta-rule mixers (docs/math.md §5, KDA's parametrisation).
+
+Projections, the width-4 causal depthwise convolution with SiLU, the per-channel retention gate, and the
+sigmoid-gated RMSNorm output. The PyTorch code runs on every device and handles padding masks, packed sequences
+(``cu_seqlens``) and a decoding cache of the last ``W - 1`` inputs. On CUDA the same operations run through fused
+Triton kernels, ours (in training the three short convs with the L2 norms of ``q`` and ``k``, :mod:`kdn.modules.conv`;
+the pre-norm residual add + RMSNorm, :mod:`kdn.modules.norm`) and fla's (short conv and L2 norm with a decoding
+cache, KDA gate, gated RMSNorm), each one pass forward and one backward; every module takes ``fused`` (default
+``True``), and ``fused=False`` runs the PyTorch code on CUDA too (the GPU tests compare both). Every projection is a
+:class:`Linear`: under autocast its weight gradients leave the GEMM in FP32 (:func:`linear`).
+
+fla's short convolution (the decoding prefill, and widths other than 4) dispatches to its Gluon kernels when the
+environment sets ``FLA_CONV_GLUON=1`` (fla's default is off; this package does not set it).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kdn.ops.gate import kda_gate
+from kdn.ops.utils import fla_fused, upcast
+
+__all__ = ["kda_gate", "fla_fused", "upcast"]  # re-exported with the modules
+
+
+def inv_softplus(y: Tensor | float) -> Tensor:
+    """The ``x`` with ``softplus(x) = y`` (``y > 0``)."""
+    y = torch.as_tensor(y, dtype=torch.float32)
+    return y + torch.log(-torch.expm1(-y))
+
+
+L2_EPS = 1e-12  # under the root of the L2 norm of q and k (fla's l2norm; the CPU path clamps the norm at it)
+
+
+def l2_normalize(x: Tensor, fused: bool = True) -> Tensor:
+    """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype (fla's kernel on
+    CUDA when ``fused``)."""
+    if fla_fused(x, fused):
+        from fla.modules.norm.l2norm import l2norm
+
+        return l2norm(x, eps=L2_EPS)
+    return F.normalize(upcast(x), dim=-1).to(x.dtype)
+
+
+def current_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
+    """The boolean mask of the current ``T`` tokens, ``[B, T]``, or ``None`` when every token is real.
+
+    ``attention_mask [B, T']`` holds 1 for tokens and 0 for padding; its last ``T`` columns describe the
+    current tokens (during cached decoding it covers past and current tokens).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"attention_mask must be [B, >=T] = [{B}, >={T}] of 0/1, got {list(attention_mask.shape)}")
+    return attention_mask[:, -T:].to(torch.bool)
+
+
+def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: torch.device) -> Tensor:
+    """Index of each token inside its own sequence, ``[B, T]`` (packed: resets at each offset)."""
+    pos = torch.arange(T, device=device).expand(B, T)
+    if cu_seqlens is None:
+        return pos
+    starts = cu_seqlens[:-1].to(device)
+    seq_id = torch.searchsorted(cu_seqlens[1:].to(device), torch.arange(T, device=device), right=True)
+    return (pos[0] - starts[seq_id]).expand(B, T)
+
+
+class ShortConv(nn.Conv1d):
+    """Causal depthwise conv (width ``W``) + SiLU over ``[B, T, D]``; weights as fla's ``[D, 1, W]``.
+
+    ``cache [B, D, W-1]`` holds the previous inputs for decoding; packed sequences never see across
+    their boundaries. ``fused``: fla's kernel on CUDA.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4, *, fused: bool = True) -> None:
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False, padding=0)
+        self.fused = fused
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, cache: Tensor | None = None, cu_seqlens: Tensor | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        if cache is None and fla_fused(x, self.fused):
+            from fla.modules.causal_conv1d import causal_conv1d
+
+            y, _ = causal_conv1d(x, self.weight[:, 0, :].to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
+            new_cache = None
+            if output_final_state:  # the last W - 1 inputs, zeros before the start
+                new_cache = F.pad(x[:, -(W - 1):], (0, 0, max(W - 1 - T, 0), 0)).transpose(1, 2).contiguous()
+            return y, new_cache
+        hist = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
+        xx = torch.cat([hist, x], 1)  # [B, W-1+T, D]
+        w = self.weight[:, 0, :]  # [D, W]; w[:, W-1] multiplies the current token
+        if cu_seqlens is None:
+            y = F.conv1d(xx.transpose(1, 2), self.weight, groups=D).transpose(1, 2)
+        else:
+            pos = positions_in_sequence(B, T, cu_seqlens, x.device)
+            y = x * w[:, W - 1]
+            for lag in range(1, W):
+                y = y + xx[:, W - 1 - lag: W - 1 - lag + T] * w[:, W - 1 - lag] * (pos >= lag)[..., None]
+        new_cache = xx[:, -(W - 1):].transpose(1, 2).contiguous() if output_final_state else None
+        return F.silu(y), new_cache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension ``x [..., D]``, computed in at least FP32; ``fused``: fused kernels on CUDA."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, fused: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.fused = eps, fused
+
+    def normed(self, x: Tensor) -> Tensor:
+        """The normalised, weighted ``x`` in the compute dtype (not cast back)."""
+        xf = upcast(x)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if fla_fused(x, self.fused):
+            from fla.modules.norm.layernorm import rms_norm
+
+            return rms_norm(x, self.weight, None, eps=self.eps)
+        return self.normed(x).to(x.dtype)
+
+    def add_norm(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """A pre-norm residual step: ``residual' = residual + x`` (``x`` alone when ``residual`` is ``None``),
+        kept in at least FP32, and ``RMSNorm(residual')`` in ``x``'s dtype. ``x, residual: [..., D]``; returns
+        ``(normed, residual')``. Under autocast ``x`` (a sublayer's output) is bf16, so the sublayers read bf16
+        and the stream stays FP32; on CUDA the add and the norm are one fused pass each way
+        (:func:`kdn.modules.norm.add_rms_norm`)."""
+        if fla_fused(x, self.fused):
+            from kdn.modules.norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        res = upcast(x) if residual is None else residual + x
+        return self.normed(res).to(x.dtype), res
+
+
+class GatedRMSNorm(RMSNorm):
+    """Per-head RMSNorm whose output is multiplied by ``act(gate)``; ``x, gate: [..., D]``.
+
+    ``activation``: ``"sigmoid"`` (KDA, KDN) or ``"swish"`` (Gated DeltaNet's output gate).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "sigmoid", *, fused: bool = True) -> None:
+        super().__init__(dim, eps, fused=fused)
+        if activation not in ("sigmoid", "swish"):
+            raise ValueError(f"activation must be 'sigmoid' or 'swish', got {activation!r}")
+        self.activation = activation
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
+        if fla_fused(x, self.fused):
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
+        act = torch.sigmoid if self.activation == "sigmoid" else F.silu
+        return (self.normed(x) * act(upcast(gate))).to(x.dtype)
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """``(x, bias | None, *weights) -> x @ cat(weights)^T + bias`` under autocast, FP32 weights and bias.
+
+    The weights are cast to the autocast dtype and stacked (``[N, d]``), and the output and the input gradient come
+    from GEMMs in that dtype, as autocast's ``F.linear`` would compute them. The weight gradients leave their GEMM in
+    FP32 (``torch.mm(..., out_dtype=float32)`` on CUDA), where autocast's path rounds them to bf16 and a separate
+    pass casts them back to the weights' FP32: one pass over every weight gradient fewer, and no rounding.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
+        dt = torch.get_autocast_dtype(x.device.type)
+        key = (dt, *(id(m) for m in weights))
+        w = _CAST_CACHE.get(key) if _CAST_CACHE is not None else None
+        if w is None:
+            w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
+            if _CAST_CACHE is not None:
+                _CAST_CACHE[key] = w
+        x = x.to(dt)
+        ctx.save_for_backward(x, w)
+        ctx.splits = [m.shape[0] for m in weights]
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, w, None if bias is None else bias.to(dt))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        dy = dy.to(w.dtype)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            dx = dy @ w if ctx.needs_input_grad[0] else None
+            db = dy2.sum(0, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # False without a bias
+            if not any(ctx.needs_input_grad[2:]):
+                return dx, db, *(None for _ in ctx.splits)
+            if dy.is_cuda:
+                dw = torch.mm(dy2.t(), x2, out_dtype=torch.float32)
+            else:  # no mixed-dtype GEMM here: the same FP32 result from upcast operands
+                dw = dy2.t().float() @ x2.float()
+        return dx, db, *dw.split(ctx.splits)
+
+
+_CAST_CACHE: dict[tuple, Tensor] | None = None
+
+
+@contextlib.contextmanager
+def cached_weight_casts() -> Iterator[None]:
+    """Inside, :func:`linear` casts (and stacks) each set of FP32 weights to the autocast dtype once and reuses the
+    result, instead of once per call: ``train.py`` wraps one optimiser step's micro-batches, which all read the same
+    weights. The weights must not change inside (the optimiser steps outside); leaving drops the casts."""
+    global _CAST_CACHE
+    outer, _CAST_CACHE = _CAST_CACHE, {}
+    try:
+        yield
+    finally:
+        _CAST_CACHE = outer
+
+
+def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None) -> Tensor:
+    """``x @ cat(weights)^T + bias``: ``x [..., d]``, weights ``[n_i, d]``, ``bias [sum n_i]`` -> ``[..., sum n_i]``.
+
+    Under autocast with FP32 weights (single-device and DDP training) this is :class:`_AutocastLinear`, whose weight
+    gradients come out of the GEMM in FP32; otherwise (FP32 runs, bf16 parameters under FSDP2's mixed precision)
+    ``F.linear`` on the stacked weights. Either way one GEMM each for the output, the input gradient and the weight
+    gradient of all the stacked weights."""
+    ws = [weights] if isinstance(weights, Tensor) else list(weights)
+    if torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws) and (
+            bias is None or bias.dtype == torch.float32):
+        return _AutocastLinear.apply(x, bias, *ws)
+    return F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed through :func:`linear` (FP32 weight gradients under autocast)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def low_rank(d_in: int, rank: int, d_out: int, bias: bool = False) -> nn.Sequential:
+    """``d_in -> rank -> d_out`` linear bottleneck (no nonlinearity), as KDA's gate projections."""
+    return nn.Sequential(Linear(d_in, rank, bias=False), Linear(rank, d_out, bias=bias))
+
+
+def input_stage(proj: nn.Module) -> nn.Linear:
+    """The linear that reads the layer input: ``proj`` itself, or a :func:`low_rank`'s first stage."""
+    return proj[0] if isinstance(proj, nn.Sequential) else proj
+
+
+def finish(proj: nn.Module, y: Tensor) -> Tensor:
+    """``proj(x)`` from ``y = input_stage(proj)(x)``: the rest of a :func:`low_rank`, else ``y``. ``y`` (a view of
+    :func:`split_outputs`' joint output) is made contiguous first, so that a biased stage is one GEMM with the bias
+    in its epilogue: on a strided 3-D input, ``F.linear`` adds the bias in a separate pass over the output."""
+    return proj[1:](y.contiguous()) if isinstance(proj, nn.Sequential) else y
+
+
+def split_outputs(y: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
+    """``{name: layer(x)}`` from ``y = linear(x, [m.weight for m in layers.values()])``, the joint output
+    ``[..., sum out_features]`` of one matmul over the stacked weights (``x`` is read once, and its gradient is one
+    GEMM instead of one per layer plus the adds that sum them): views, or for a layer with a bias, that view plus its
+    bias (in ``y``'s dtype). The biases are added per layer, not in the joint GEMM: there a bias gradient would be a
+    reduction over every column of the joint output, zeros included (the biased layers here are narrow: KDN's
+    per-head noise projections)."""
+    out = dict(zip(layers, y.split([m.out_features for m in layers.values()], -1)))
+    for name, m in layers.items():
+        if m.bias is not None:
+            out[name] = out[name] + m.bias.to(y.dtype)
+    return out
+
+
+class DeltaFrontEnd(nn.Module):
+    """Projections, short convs, retention gate and gated output norm of a delta-rule mixer.
+
+    Shapes: input ``x [B, T, d_model]``; ``q, k, g: [B, T, H, K]``; ``v: [B, T, H, V]``.
+    ``alpha_param``: ``"kda"`` (``g = -exp(A_log) softplus(f(x) + dt_bias)``) or ``"sigmoid"``
+    (``g = logsigmoid(f(x) + bias)``, initialised to the same retention distribution). ``fused``: the fused CUDA
+    kernels (ours and fla's) for the convolutions, L2 norms, gate and norm; ``False``: PyTorch everywhere.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1.0,
+        conv_size: int = 4, alpha_param: str = "kda", norm_eps: float = 1e-5, gate: str = "channel",
+        fused: bool = True,
+    ) -> None:
+        super().__init__()
+        if alpha_param not in ("kda", "sigmoid"):
+            raise ValueError(f"alpha_param must be 'kda' or 'sigmoid', got {alpha_param!r}")
+        if gate not in ("channel", "head", "none"):
+            raise ValueError(f"gate must be 'channel', 'head' or 'none', got {gate!r}")
+        self.H, self.K = num_heads, head_dim
+        self.V = int(head_dim * expand_v)
+        self.alpha_param, self.gate, self.fused = alpha_param, gate, fused
+        key_dim, value_dim = self.H * self.K, self.H * self.V
+        self.q_proj = Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = Linear(hidden_size, value_dim, bias=False)
+        self.q_conv1d = ShortConv(key_dim, conv_size, fused=fused)
+        self.k_conv1d = ShortConv(key_dim, conv_size, fused=fused)
+        self.v_conv1d = ShortConv(value_dim, conv_size, fused=fused)
+        if gate != "none":
+            gate_dim = key_dim if gate == "channel" else self.H
+            self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else Linear(
+                hidden_size, gate_dim, bias=False)
+            A = torch.empty(self.H).uniform_(1, 16)
+            dt = torch.exp(torch.rand(gate_dim) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            if alpha_param == "kda":
+                self.A_log = nn.Parameter(torch.log(A))
+                self.dt_bias = nn.Parameter(inv_softplus(dt))
+                self.A_log._no_weight_decay = True
+                self.dt_bias._no_weight_decay = True
+            else:
+                per = gate_dim // self.H
+                alpha0 = torch.exp(-A.repeat_interleave(per) * dt).clamp(1e-4, 1 - 1e-4)
+                self.gate_bias = nn.Parameter(torch.logit(alpha0))
+                self.gate_bias._no_weight_decay = True
+        self.g_proj = low_rank(hidden_size, self.V, value_dim, bias=True)
+        self.o_norm = GatedRMSNorm(self.V, eps=norm_eps, fused=fused)
+        self.o_proj = Linear(value_dim, hidden_size, bias=False)
+
+    def inputs(
+        self, x: Tensor, extra: dict[str, nn.Module | None] | None = None,
+        conv_state: tuple[Tensor, Tensor, Tensor] | None = None, cu_seqlens: Tensor | None = None,
+        use_cache: bool = False,
+    ) -> tuple[dict[str, Tensor], tuple | None]:
+        """Every projection of the layer input ``x [B, T, d_model]`` from one matmul (:func:`split_outputs`), with
+        ``q, k, v`` through their short convs: ``(p, conv cache)``. ``p`` maps ``q, k [B, T, H, K]`` (L2-normalised,
+        ``q`` not scaled), ``v [B, T, H, V]``, the retention gate's ``f`` and the output gate's ``g`` (first stage when
+        low-rank) and the mixer's ``extra`` projections (``None`` skipped; :func:`finish` completes a low-rank one)
+        to ``[B, T, width]``. The cache (``use_cache``) holds each stream's last inputs. On CUDA in training
+        (no cache, width-4 convolutions), the convolutions read the joint projection and write its gradient in one
+        fused pass each way (:func:`kdn.modules.conv.front_conv`)."""
+        layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
+        if self.gate != "none":
+            layers["f"] = input_stage(self.f_proj)
+        if hasattr(self, "g_proj"):
+            layers["g"] = input_stage(self.g_proj)
+        layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
+        y = linear(x, [m.weight for m in layers.values()])
+        if conv_state is None and not use_cache and self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused):
+            from kdn.modules.conv import front_conv
+
+            w = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+            q, k, v, rest = front_conv(y, w, self.H, self.K, self.V, L2_EPS, cu_seqlens)
+            p = split_outputs(rest, {n: m for n, m in layers.items() if n not in ("q", "k", "v")})
+            p.update(q=q, k=k, v=v)
+            return p, None
+        p = split_outputs(y, layers)
+        cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
+        q, cq = self.q_conv1d(p["q"], cq, cu_seqlens, use_cache)
+        k, ck = self.k_conv1d(p["k"], ck, cu_seqlens, use_cache)
+        v, cv = self.v_conv1d(p["v"], cv, cu_seqlens, use_cache)
+        B, T = q.shape[:2]
+        p.update(q=l2_normalize(q.view(B, T, self.H, self.K), self.fused),
+                 k=l2_normalize(k.view(B, T, self.H, self.K), self.fused),
+                 v=v.view(B, T, self.H, self.V))
+        return p, ((cq, ck, cv) if use_cache else None)
+
+    def gate_input(self, p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
+        """With KDA's per-channel gate, its input ``f [B, T, H, K]`` and ``(A_log [H], dt_bias [H*K])``, for kernels
+        that apply :func:`kda_gate` themselves; ``None`` for the other gates (use :meth:`log_retention`)."""
+        if self.alpha_param != "kda" or self.gate != "channel":
+            return None
+        f = finish(self.f_proj, p["f"])
+        return f.view(*f.shape[:2], self.H, self.K), (self.A_log, self.dt_bias)
+
+    def log_retention(self, p: dict[str, Tensor]) -> Tensor:
+        """``g = log(alpha) <= 0`` from the projections ``p``: ``[B, T, H, K]`` (per channel) or ``[B, T, H]``
+        (per head)."""
+        kda = self.gate_input(p)
+        if kda is not None:
+            return kda_gate(kda[0], *kda[1], fused=self.fused)
+        f = upcast(finish(self.f_proj, p["f"]))
+        B, T = f.shape[:2]
+        if self.alpha_param == "kda":
+            g = -upcast(self.A_log).exp().repeat_interleave(f.shape[-1] // self.H) * F.softplus(f + self.dt_bias)
+        else:
+            g = F.logsigmoid(f + self.gate_bias)
+        return g.view(B, T, self.H, -1).squeeze(-1) if self.gate == "head" else g.view(B, T, self.H, self.K)
+
+    def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """Gated RMSNorm per head, then the output projection. ``o: [B, T, H, V]`` -> ``[B, T, d_model]``."""
+        B, T = o.shape[:2]
+        gate = finish(self.g_proj, p["g"]).view(B, T, self.H, self.V)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.H * self.V))

@@ -1,0 +1,19 @@
+"""The CUDA kernels of KDN (Triton), split by concern.
+
+- :mod:`~kdn.ops.triton.kdn`: the entry points :func:`chunk_diagonal_kdn`, :func:`chunk_isotropic_kdn`,
+  :func:`chunk_kda`;
+- :mod:`~kdn.ops.triton.gain_diagonal`, :mod:`~kdn.ops.triton.gain_isotropic`: the fused gain scans;
+- :mod:`~kdn.ops.triton.memory`, :mod:`~kdn.ops.triton.wy`: the asymmetric memory and its WY backward;
+- :mod:`~kdn.ops.triton.gate`: KDA's gate in one pass; :mod:`~kdn.ops.triton.safe_gate`: the check of fla's
+  tensor-core path; :mod:`~kdn.ops.triton.utils`: the shared ``@triton.jit`` helpers and segment sizing.
+"""
+from kdn.ops.triton.gain_diagonal import diagonal_gain, diagonal_gain_dplr
+from kdn.ops.triton.gain_isotropic import isotropic_gain
+from kdn.ops.triton.kdn import chunk_diagonal_kdn, chunk_isotropic_kdn, chunk_kda
+from kdn.ops.triton.safe_gate import SAFE_GATE_READS, SafeGate, safe_gate
+from kdn.ops.triton.utils import gain_segments
+
+__all__ = [
+    "chunk_diagonal_kdn", "chunk_isotropic_kdn", "chunk_kda", "diagonal_gain", "diagonal_gain_dplr",
+    "isotropic_gain", "safe_gate", "SafeGate", "SAFE_GATE_READS", "gain_segments",
+]

@@ -1,0 +1,184 @@
+"""KDN and KDA on CUDA: the Diagonal gain and asymmetric memory as one autograd node, and the entry points.
+
+- :func:`chunk_diagonal_kdn`: the fused Diagonal gain (:mod:`kdn.ops.triton.gain_diagonal`) with one of two memories,
+  chosen by ``memory``. ``"asym"`` (the default, the faster: docs/results.md): fla's asymmetric chunk-64 kernels
+  (:mod:`kdn.ops.triton.memory`), gain and memory one autograd node (:class:`_DiagonalKDN`) whose gain's last
+  backward launch adds the memory's gradients of ``k`` and ``g`` to its own, sparing autograd two ``[B,T,H,K]``
+  sums; given KDA's gate input (``gate=``) the node makes ``g``, the memory's chunk sums and the safe-gate check in
+  one pass (:mod:`kdn.ops.triton.gate`), and the same launch takes ``dg`` through the gate. ``"dplr"``: fla's
+  ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` at chunk 16 or 32.
+- :func:`chunk_isotropic_kdn`: the fused Isotropic gain (:mod:`kdn.ops.triton.gain_isotropic`) + KDA's rule with
+  ``beta`` the KDN gain (the asymmetric memory with ``kappa = k``).
+- :func:`chunk_kda`: KDA's rule through the same memory, as the KDA baseline runs it.
+
+One calling convention (as :func:`kdn.ops.api.diagonal_kdn`): tensors ``q, k, v, g, ...`` first, settings as keywords.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kdn.ops.gate import kda_gate
+from kdn.ops.triton.gain_diagonal import _diag_gain_bwd, _diag_gain_fwd, diagonal_gain_dplr
+from kdn.ops.triton.gain_isotropic import isotropic_gain
+from kdn.ops.triton.gate import kda_gate_fwd
+from kdn.ops.triton.memory import _asym_memory_bwd, _asym_memory_fwd, _AsymmetricMemory
+from kdn.ops.triton.safe_gate import SafeGate, safe_gate, safe_steepest
+from kdn.ops.triton.utils import _check_gain_shapes, _mem_dtype
+from kdn.ops.validate import check_memory
+
+
+class _DiagonalKDN(torch.autograd.Function):
+    """``(q, k, v, g, omega, r, mu, p0, S0, [A_log, dt_bias]) -> (o, S_T, p_T)``: the fused Diagonal gain feeding the
+    asymmetric memory (``kappa`` its write key), one autograd node. Its backward runs the memory's, then the gain's,
+    whose last launch adds the memory's gradients of ``k`` and ``g`` to the gain's own (no separate ``[B,T,H,K]``
+    sums) and, with KDA's gate in the kernels, takes them through the gate.
+
+    ``q, v`` in the memory's dtype (``kappa``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest
+    as :func:`chunk_diagonal_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`,
+    ``check`` :func:`kdn.ops.triton.safe_gate.safe_gate`).
+    With ``A_log, dt_bias``, ``g`` is the input of KDA's gate: one pass makes the gate's output, its chunk sums and
+    the check (:func:`kdn.ops.triton.gate.kda_gate_fwd`; ``check`` is then ``None``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
+        r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
+        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate | None,
+        recompute_states: bool, segment_size: int | None, A_log: Tensor | None, dt_bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        gc = None
+        ctx.f_dtype = g.dtype
+        if A_log is not None:
+            g, gc, steep = kda_gate_fwd(g, A_log, dt_bias, cu_seqlens)
+            check = safe_steepest(steep)  # read after the gain's kernels are queued
+        (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus,
+                                           A_log, segment_size)
+        o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
+                                               cu_seqlens, check, gc, recompute_states)
+        ctx.save_for_backward(*gain, *mem)
+        ctx.n_gain, ctx.seqs, ctx.omega_softplus, ctx.scale = len(gain), (N, L), omega_softplus, scale
+        ctx.segment_size = segment_size
+        return o, S, pT
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None, dpT: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        saved, n = ctx.saved_tensors, ctx.n_gain
+        dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS)
+        dk, dg, dw, dr, dmu, dp0, dgate = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs,
+                                                         ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
+                                                         ctx.f_dtype, ctx.segment_size)
+        dA, dbias = dgate if dgate is not None else (None, None)
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 9, dA, dbias
+
+
+
+def chunk_diagonal_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+    initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
+    cu_seqlens: Tensor | None = None, omega_softplus: bool = False, gate: tuple[Tensor, Tensor] | None = None,
+    memory: str = "asym", chunk_size: int | None = None, recompute_states: bool = False,
+    segment_size: int | None = None,
+) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
+    """Diagonal KDN on CUDA (docs/math.md §3, §6): the fused Triton gain + fla's asymmetric chunk-64 kernels
+    (``memory="asym"``) or fla's DPLR chunk kernel (``memory="dplr"``, ``chunk_size`` 16 or 32).
+
+    Args:
+        q, k: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]``; ``g, omega``: ``[B,T,H,K]``; ``r``: ``[B,T,H]``; ``mu``: ``[H]``.
+        initial_state: ``(S0 [N,H,K,V] or None (zero memory), p0 [N,H,K])``; ``N = B``, or the number of packed
+            sequences.
+        scale: multiplies ``q``. cu_seqlens: ``[N+1]`` offsets of packed sequences (``B = 1``; ``"asym"`` only).
+        omega_softplus: ``omega`` is given before its softplus (applied in the gain kernels).
+        gate: ``(A_log [H], dt_bias [H*K])``: ``g`` holds the input of KDA's gate (:func:`kdn.ops.gate.kda_gate`),
+            applied inside the ``"asym"`` kernels (before the ``"dplr"`` ones).
+        memory, chunk_size: the memory route (:func:`kdn.ops.validate.check_memory`).
+        recompute_states: the ``"asym"`` backward recomputes the WY terms and chunk states instead of keeping them.
+        segment_size: tokens per segment of the gain's sequence-parallel scan (default: the rule).
+
+    Returns:
+        ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None`` unless ``output_final_state``).
+
+    Example::
+
+        o, (S, p) = chunk_diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), scale=K ** -0.5)
+    """
+    from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
+
+    chunk = check_memory(memory, chunk_size)
+    S0, p0 = initial_state
+    dt = _mem_dtype(v)
+    if memory == "asym":
+        check = None if gate is not None else safe_gate(g)  # read after the gain's kernels are queued
+        N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
+        o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
+                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check,
+                                      bool(recompute_states), segment_size,
+                                      *(gate if gate is not None else (None, None)))
+        return o, (S, pT)
+    if gate is not None:
+        g = kda_gate(g, *gate)
+    if cu_seqlens is not None:
+        raise NotImplementedError("chunk_diagonal_kdn takes cu_seqlens only with memory='asym'; packed sequences go "
+                                  "through kdn.ops.api's unpacking for the DPLR memory")
+    kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt, omega_softplus=omega_softplus,
+                                         segment_size=segment_size)
+    o, S = chunk_dplr_delta_rule(
+        q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=chunk,
+        initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
+    )
+    return o, (S, pT)
+
+
+def chunk_isotropic_kdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
+    initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
+    cu_seqlens: Tensor | None = None, recompute_states: bool = False, segment_size: int | None = None,
+) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
+    """Isotropic KDN on CUDA (docs/math.md §4, §6): the fused Triton gain + KDA's rule with ``beta`` = the KDN gain
+    (:func:`chunk_kda`: the asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``;
+    docs/performance.md).
+
+    Args:
+        q, k, g: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]``; ``omega, r``: ``[B,T,H]``; ``mu``: ``[H]``.
+        initial_state: ``(S0 [N,H,K,V] or None, b0 [N,H])``. Settings as in :func:`chunk_diagonal_kdn`.
+
+    Returns:
+        ``o [B,T,H,V]`` and ``(S_T, b_T)``.
+    """
+    S0, b0 = initial_state
+    dt = _mem_dtype(v)
+    check = safe_gate(g)  # read after the gain's kernels are queued
+    beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens, segment_size=segment_size)
+    o, S = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g, beta, scale=scale, initial_state=S0,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
+                     recompute_states=recompute_states)
+    return o, (S, bT)
+
+
+def chunk_kda(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float, initial_state: Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: Tensor | None = None, check: SafeGate | None = None,
+    recompute_states: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """KDA's rule (fla's ``chunk_kda``: ``S_t = D_t S_{t-1} + beta_t k_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale
+    q_t^T S_t``) through the asymmetric memory with ``kappa = k`` (:class:`kdn.ops.triton.memory._AsymmetricMemory`),
+    whose backward is faster than ``chunk_kda``'s (docs/performance.md), as Isotropic KDN runs it.
+
+    Args:
+        q, k: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]`` (one dtype); ``g``: ``[B,T,H,K]`` log-retention; ``beta``:
+            ``[B,T,H]`` (``q``'s dtype).
+        scale: multiplies ``q``. initial_state: ``[N,H,K,V]`` FP32 or ``None``. cu_seqlens: ``[N+1]`` packed
+            sequences (``B = 1``), else ``N = B``.
+        check: :func:`kdn.ops.triton.safe_gate.safe_gate` of ``g`` (made here when ``None``).
+        recompute_states: the backward recomputes the WY terms and chunk states instead of keeping them.
+
+    Returns:
+        ``o [B,T,H,V]`` and ``S_T`` (``None`` unless ``output_final_state``).
+    """
+    check = safe_gate(g) if check is None else check
+    S0 = None if initial_state is None else initial_state.float()
+    return _AsymmetricMemory.apply(q, k, k, v, g, beta, S0, float(scale), output_final_state, cu_seqlens, check,
+                                   bool(recompute_states))

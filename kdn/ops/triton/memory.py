@@ -1,0 +1,167 @@
+"""The asymmetric memory on CUDA (docs/math.md §6): fla's KDA-style chunk-64 kernels with a separate write key.
+
+``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
+side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
+and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`). Both KDNs
+run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
+so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
+
+``recompute_states``: the backward needs the forward's WY terms (``w``, ``q exp2(gc)``, ``kg``) and chunk states
+(``h``, ``v_new``). ``False`` (the default): the forward keeps them, five more ``[B,T,H,K]``-sized bf16 tensors per
+layer (about 0.8 GiB per layer for 32K tokens of 16 heads of 128); ``True``: the backward recomputes them, as fla's
+``chunk_kda`` does (docs/performance.md).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from kdn.ops.triton.safe_gate import SafeGate
+from kdn.ops.validate import ASYM_CHUNK
+
+
+def _asym_intra_fwd(
+    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
+    seqs: dict[str, Tensor | None], output_qg: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
+    the WY representation), whose last launch also writes ``qg = q exp2(gc)`` when ``output_qg`` (the backward's
+    chunk-state gradient reads it; ``None`` otherwise). Returns ``(w, u, qg, kg, Aqk, Akk)``."""
+    from fla.ops.precond_kda.chunk_intra import (
+        DEFAULT_SOLVE_TRIL_PRECISION,
+        chunk_precond_kda_fwd_intra_token_parallel,
+        chunk_precond_kda_fwd_kernel_inter_solve_fused,
+        chunk_precond_kda_fwd_kernel_intra_sub_chunk,
+    )
+    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.utils import IS_GATHER_SUPPORTED
+
+    C = ASYM_CHUNK
+    B, T, H, K = k.shape
+    BC = 16
+    NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
+    Aqk = torch.empty(B, T, H, C, device=k.device, dtype=k.dtype)
+    Akk = torch.zeros(B, T, H, C, device=k.device, dtype=k.dtype)  # the kernels write its lower triangle only
+    Akk_diag = torch.empty(B, T, H, BC, device=k.device, dtype=torch.float32)
+    if safe:
+        chunk_precond_kda_fwd_kernel_intra_sub_chunk[(NT, C // BC, B * H)](
+            q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale, **seqs, T=T, H=H, K=K,
+            BT=C, BC=BC, BK=triton.next_power_of_2(K), GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
+    else:
+        chunk_precond_kda_fwd_intra_token_parallel(
+            q=q, k=k, k_precond=kappa, gk=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale,
+            cu_seqlens=seqs["cu_seqlens"], chunk_size=C, sub_chunk_size=BC)
+    chunk_precond_kda_fwd_kernel_inter_solve_fused[(NT, B * H)](
+        q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
+        H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=DEFAULT_SOLVE_TRIL_PRECISION, USE_SAFE_GATE=safe)
+    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=output_qg,
+                                     output_kg=True, **seqs)
+    return w, u, qg, kg, Aqk, Akk
+
+
+def _asym_memory_fwd(
+    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
+    output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate, gc: Tensor | None = None,
+    recompute_states: bool = False,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
+    """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
+    ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check`` (:func:`safe_gate`; read just
+    before the first kernel that needs it): whether fla's tensor-core diagonal blocks were taken. Unless
+    ``recompute_states``, ``saved`` holds the WY terms and chunk states the backward would otherwise recompute.
+    ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+
+    C = ASYM_CHUNK
+    q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
+    seqs = {"cu_seqlens": cu_seqlens,
+            "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
+    if gc is None:  # log2, per chunk
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)
+    beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
+    safe = bool(check)
+    keep = not recompute_states
+    w, u, qg, kg, Aqk, Akk = _asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep)
+    h, v_new, S = chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
+    states = (w, qg, kg, h, v_new) if keep else (None,) * 5
+    saved = (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"], *states)
+    return o.to(q.dtype), S, saved, safe
+
+
+def _asym_memory_bwd(
+    saved: tuple[Tensor | None, ...], scale: float, safe: bool, do: Tensor, dS: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """The asymmetric memory's backward launches from ``saved`` (:func:`_asym_memory_fwd`) and the gradients of
+    ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs' dtypes, ``dg``
+    (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
+    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
+    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+
+    from kdn.ops.triton.wy import chunk_asym_bwd_wy_dqkg
+
+    q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices, w, qg, kg, h, v_new = saved
+    C = ASYM_CHUNK
+    seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
+    do = do.contiguous()
+    if h is None:  # recompute the WY representation and the chunk states (as fla's KDA backward does)
+        w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                         output_qg=True, output_kg=True, **seqs)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
+                                                   output_final_state=False, chunk_size=C, **seqs)
+    dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
+    dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
+                                                 scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
+        q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+        scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkappa, dbeta, dg = chunk_precond_kda_bwd_intra(
+        q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
+        db=dbeta, dg=dg, chunk_size=C, safe_gate=safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
+    return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dbeta, dS0
+
+
+class _AsymmetricMemory(torch.autograd.Function):
+    """The asymmetric gated delta rule ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``,
+    ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
+    ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``), except the
+    inter-chunk + WY backward, ours (:func:`kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg`: the same values, split over key
+    blocks, 2x faster on an H200).
+
+    ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
+    ``beta [B,T,H]`` (``kappa``'s dtype; ``None``: ones, the write key is ``kappa`` alone), ``S0 [N,H,K,V]`` FP32 or
+    ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
+    the number of sequences; ``check``: :func:`kdn.ops.triton.safe_gate.safe_gate` of ``g``; ``recompute_states`` as
+    in the module docstring. Returns ``o [B,T,H,V]`` and ``S_T [N,H,K,V]`` (``None`` unless asked).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
+        beta: Tensor | None, S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
+        check: SafeGate, recompute_states: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        ctx.same_key = kappa is k  # one key on both sides (Isotropic): its two gradients are summed in FP32
+        o, S, saved, ctx.safe = _asym_memory_fwd(q, k, kappa, v, g, beta, S0, scale, output_final_state, cu_seqlens,
+                                                 check, recompute_states=recompute_states)
+        ctx.save_for_backward(*saved)
+        ctx.scale = scale
+        return o, S
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        dq, dk, dkappa, dv, dg, dbeta, dS0 = _asym_memory_bwd(saved, ctx.scale, ctx.safe, do, dS)
+        dbeta = dbeta.to(saved[5]) if ctx.needs_input_grad[5] else None  # saved[5]: beta
+        if ctx.same_key:
+            dk, dkappa = dk + dkappa, None
+        return dq, dk, dkappa, dv, dg, dbeta, dS0, None, None, None, None, None
