@@ -1,12 +1,8 @@
-"""Shared fixtures of the evaluation tests: a tiny exported run, a RULER stand-in that follows eval/ruler's
-interface (until that package is present), and models that always or never emit the right answer."""
+"""Shared fixtures of the evaluation tests: a tiny exported run, and a model that emits a chosen answer (or
+nothing) through the real decoding interface."""
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import random
-import types
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +10,6 @@ import torch
 
 import models
 from data import load_tokenizer
-
-RULER_PRESENT = importlib.util.find_spec("eval.ruler") is not None
 
 
 def export_toy_run(root: Path, mixer: str = "kdn_diag", pattern: str = "recurrent", seq_len: int = 4096) -> Path:
@@ -31,53 +25,6 @@ def export_toy_run(root: Path, mixer: str = "kdn_diag", pattern: str = "recurren
     (root / "metrics.jsonl").write_text(json.dumps({"step": 10, "tokens": 40960, "loss": 9.0}) + "\n"
                                         + '{"step": 11, "tok')  # a torn last line
     return root
-
-
-def fake_ruler() -> types.ModuleType:
-    """A small module with eval.ruler's interface: noise haystack, one number needle, RULER's scorer."""
-    mod = types.ModuleType("eval.ruler")
-    mod.TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1")
-    mod.GRID = {"niah_single_1": (1024, 2048, 4096, 8192), "niah_single_2": (1024, 2048, 4096, 8192),
-                "niah_single_3": (1024, 2048, 4096), "niah_multikey_1": (1024, 2048, 4096)}
-    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
-    def cell_name(task: str, length: int) -> str:
-        return f"{task}@{length}"
-
-    def load_haystack(path: str | None) -> Any:
-        text = noise if path is None else Path(path).read_text()
-        return types.SimpleNamespace(source=path or "noise", sha256=hashlib.sha256(text.encode()).hexdigest(),
-                                     words=text.split())
-
-    def build_samples(task: str, length: int, n: int, *, tokenizer: Any, haystack: Any, seed: int = 0,
-                      start: int = 0, max_new_tokens: int = 128) -> list[dict]:
-        if task not in mod.TASKS:
-            raise ValueError(f"unknown task {task!r}")
-        out = []
-        for index in range(start, start + n):
-            rng = random.Random(f"{seed}/{task}/{length}/{index}")
-            value = str(rng.randint(10**6, 10**7 - 1))
-            reps = max(1, length // 400)
-            hay = [noise] * reps
-            depth = rng.choice([0, 50, 100])
-            hay.insert(reps * depth // 100, f"One of the special magic numbers for key-{index} is: {value}.")
-            prompt = (" ".join(hay) + f"\nWhat is the special magic number for key-{index} mentioned in the "
-                      f"provided text? The special magic number for key-{index} mentioned in the provided text is")
-            out.append({"task": task, "length": length, "index": index, "prompt": prompt, "answers": [value],
-                        "depth": depth, "haystack_words": len(" ".join(hay).split()),
-                        "prompt_tokens": len(tokenizer.encode(prompt))})
-        return out
-
-    def postprocess(pred: str) -> str:
-        return "".join("\n" if ord(c) < 32 else c for c in pred.strip())
-
-    def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
-        return 100 * sum(sum(r.lower() in postprocess(p).lower() for r in rs) / len(rs)
-                         for p, rs in zip(preds, refs)) / len(preds)
-
-    for f in (cell_name, load_haystack, build_samples, postprocess, string_match_all):
-        setattr(mod, f.__name__, f)
-    return mod
 
 
 class Oracle(models.KDNForCausalLM):

@@ -1,31 +1,20 @@
 """The RULER runner (Table 2) end to end: a model that emits the queried value scores 100, one that emits nothing
-scores 0; cells are written as they finish and a rerun continues after a crash. Until eval/ruler is present, the
-samples come from a stand-in with its interface (tests/eval_fixtures.py)."""
+scores 0; cells are written as they finish and a rerun continues after a crash."""
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from eval_fixtures import RULER_PRESENT, export_toy_run, fake_ruler, oracle_from
+from eval_fixtures import export_toy_run, oracle_from
 
-import eval as eval_pkg
 import eval.ruler_suite
 import evaluate
 from data import load_tokenizer
 
 TOK = load_tokenizer("mistral-v1")
-CELLS = ["niah_single_1@1024", "niah_single_3@1024"]
-
-
-@pytest.fixture(autouse=True)
-def ruler_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not RULER_PRESENT:
-        mod = fake_ruler()
-        monkeypatch.setitem(sys.modules, "eval.ruler", mod)
-        monkeypatch.setattr(eval_pkg, "ruler", mod, raising=False)
+CELLS = ["niah_single_1@1024", "niah_multikey_1@1024"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +24,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def queried_value(ids: list[int]) -> str:
     text = TOK.decode(ids)
-    key = re.findall(r"number for (.+?) mentioned in the provided text", text)[-1]
+    key = re.findall(r"special magic \w+ for (.+?) mentioned in the provided text", text)[-1]
     return re.search(re.escape(f"for {key} is: ") + r"(\S+?)\.", text).group(1)
 
 
@@ -47,7 +36,7 @@ def _use_oracle(monkeypatch: pytest.MonkeyPatch, answer: object) -> None:
 
 def _args(run_dir: Path, out: Path, *extra: str) -> list[str]:
     return [f"model={run_dir}", "suites=[ruler]", f"out_dir={out}", "ruler.samples_per_cell=3",
-            "ruler.tasks=[niah_single_1,niah_single_3]", "ruler.lengths=[1024]", "batch_size=2",
+            "ruler.tasks=[niah_single_1,niah_multikey_1]", "ruler.lengths=[1024]", "batch_size=2",
             "progress=false", "ruler.max_new_tokens=16", *extra]
 
 

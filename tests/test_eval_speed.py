@@ -2,21 +2,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import pytest
-from eval_fixtures import RULER_PRESENT, fake_ruler
-
-import eval as eval_pkg
 from bench import eval_speed
 
 
-def test_eval_speed_runs_at_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not RULER_PRESENT:
-        mod = fake_ruler()
-        monkeypatch.setitem(sys.modules, "eval.ruler", mod)
-        monkeypatch.setattr(eval_pkg, "ruler", mod, raising=False)
+def test_eval_speed_runs_at_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
     rep = eval_speed.main(["--size", "toy", "--samples-per-cell", "2", "--cells", "niah_single_1@1024",
                            "--ruler-new-tokens", "4", "--batch-size", "2", "--cloze-docs", "1", "--cloze-tokens",
