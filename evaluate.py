@@ -76,8 +76,13 @@ def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) ->
         if rep["summary"]:
             lines.append("  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in rep["summary"].items()))
-    for what, why in skipped.items():
-        lines.append(f"skipped {what}: {why}")
+    by_suite: dict[str, list[str]] = {}
+    for what in skipped:
+        by_suite.setdefault(what.split("/")[0], []).append(what)
+    for suite, items in by_suite.items():  # one line per suite: what did not run, and the first reason
+        cells = [w.split("/", 1)[1] for w in items if "/" in w]
+        lines.append(f"skipped {suite}{f' ({len(cells)}: ' + ', '.join(cells) + ')' if cells else ''}: "
+                     f"{skipped[items[0]]}")
     return "\n".join(lines)
 
 
