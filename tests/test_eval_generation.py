@@ -54,3 +54,18 @@ def test_bad_batches_are_refused() -> None:
         greedy_generate(model, [[1, 2], []], max_new_tokens=2, stop_ids={2}, pad_id=0)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         greedy_generate(model, [[1, 2]], max_new_tokens=2, stop_ids={2}, pad_id=0, batch_size=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["recurrent", "hybrid_swa"])
+def test_batched_generation_equals_batch_size_1_on_cuda(pattern: str) -> None:
+    """The CUDA kernels (chunked prefill with a padding mask, the one-token step) decode left-padded batches as
+    they decode each prompt alone (FP32 weights, so that greedy ties do not depend on rounding)."""
+    torch.manual_seed(0)
+    cfg = models.model_config("toy", "kdn_diag", pattern, vocab_size=300)
+    model = models.build_model(cfg).cuda().eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (7, 130, 64, 1, 257)]
+    batched = greedy_generate(model, prompts, max_new_tokens=16, stop_ids={2}, pad_id=0, batch_size=5)
+    single = greedy_generate(model, prompts, max_new_tokens=16, stop_ids={2}, pad_id=0, batch_size=1)
+    assert batched == single

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import eval_speed
 
 
@@ -21,3 +23,11 @@ def test_eval_speed_runs_at_toy_size(tmp_path: Path) -> None:
     assert rep["cloze"]["documents"] == 6 and rep["cloze"]["decode_s"] > 0
     assert set(rep["lm"]["tasks"]) == {*eval_speed.LM_SHAPES, "wikitext"}
     assert rep["lm"]["tasks"]["hellaswag"]["requests"] == 2 * 4 and rep["lm"]["tasks"]["wikitext"]["prefill_s"] > 0
+
+
+@pytest.mark.gpu
+def test_eval_speed_runs_on_cuda_in_bf16(tmp_path: Path) -> None:
+    rep = eval_speed.main(["--size", "100m", "--samples-per-cell", "8", "--cells", "niah_single_2@4096",
+                           "--cloze-docs", "4", "--lm-scale", "0.002", "--out", str(tmp_path / "s.json")])
+    assert rep["header"]["dtype"] == "bfloat16" and rep["header"]["device"] != "cpu"
+    assert rep["ruler"]["cells"]["niah_single_2@4096"]["decode_s"] > 0 and rep["cloze"]["documents"] == 24
