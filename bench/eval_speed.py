@@ -129,7 +129,7 @@ def bench_cloze(model: Any, hf_tok: Any, clock: ForwardClock, docs: int, batch_s
 
 
 def bench_lm(model: Any, hf_tok: Any, clock: ForwardClock, scale: float, batch_size: int,
-             max_length: int) -> dict[str, Any]:
+             max_length: int, wikitext_tokens: int = WIKITEXT_TOKENS) -> dict[str, Any]:
     """Table 1's log-likelihood requests (``LM_SHAPES`` x ``scale`` documents) and WikiText's rolling windows."""
     from lm_eval.api.instance import Instance
 
@@ -149,7 +149,7 @@ def bench_lm(model: Any, hf_tok: Any, clock: ForwardClock, scale: float, batch_s
         row["wall_s"] = time.perf_counter() - t1
         tasks[task] = row
     n = max(1, round(WIKITEXT_DOCS * scale))
-    reqs = [Instance("loglikelihood_rolling", {}, (hf_tok.decode(_filler(hf_tok, WIKITEXT_TOKENS, rng)),), 0)
+    reqs = [Instance("loglikelihood_rolling", {}, (hf_tok.decode(_filler(hf_tok, wikitext_tokens, rng)),), 0)
             for _ in range(n)]
     row = {"requests": n}
     t1 = time.perf_counter()
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--parts", default="ruler,cloze,lm")
     ap.add_argument("--ruler-new-tokens", type=int, default=128, help="RULER decodes 128; fewer for a smoke run")
     ap.add_argument("--cloze-tokens", type=int, default=2048, help="synthetic cloze document length")
+    ap.add_argument("--wikitext-tokens", type=int, default=WIKITEXT_TOKENS, help="tokens per WikiText document")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "cloze" in parts:
             report["cloze"] = bench_cloze(model, hf_tok, clock, args.cloze_docs, args.lm_batch_size, args.cloze_tokens)
         if "lm" in parts:
-            report["lm"] = bench_lm(model, hf_tok, clock, args.lm_scale, args.lm_batch_size, args.max_length)
+            report["lm"] = bench_lm(model, hf_tok, clock, args.lm_scale, args.lm_batch_size, args.max_length,
+                                    args.wikitext_tokens)
     write_json_atomic(args.out, report)
     print(f"{report['header']['device']}, {args.size} {args.mixer} ({report['header']['dtype']})")
     print(f"{'part':<8} {'wall s':>9} {'prefill s':>10} {'decode s':>9}  items")

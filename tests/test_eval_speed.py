@@ -13,7 +13,8 @@ def test_eval_speed_runs_at_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
     rep = eval_speed.main(["--size", "toy", "--samples-per-cell", "2", "--cells", "niah_single_1@1024",
                            "--ruler-new-tokens", "4", "--batch-size", "2", "--cloze-docs", "1", "--cloze-tokens",
-                           "96", "--lm-scale", "0.0002", "--max-length", "256", "--out", str(out)])
+                           "96", "--lm-scale", "0.0002", "--max-length", "256", "--wikitext-tokens", "600",
+                           "--out", str(out)])
     assert json.loads(out.read_text()) == rep
     h = rep["header"]
     assert h["device"] == "cpu" and h["versions"]["torch"] and h["date"] and h["model"]["parameters"] > 0
