@@ -1,30 +1,36 @@
-"""Evaluate an exported model (``runs/<name>/hf``): lm-eval tasks (Table 1) and held-out perplexity.
+"""Evaluate a trained model: lm-eval (Table 1), modified RULER (Table 2), cloze retrieval (Table 3), held-out
+perplexity and the overwrite probe, from one Hydra command (conf/eval/config.yaml).
 
-    python evaluate.py runs/small_recurrent_kdn_diag/hf --ppl data/cache/embedded-kjv-mistral-v1
-    python evaluate.py runs/<name>/hf --tasks table1                 # WikiText, LAMBADA + six accuracies
-    python evaluate.py runs/<name>/hf --tasks piqa,arc_easy --limit 200
-    python evaluate.py runs/<name>/hf --tasks my_task --include-path eval/tasks   # local lm-eval task YAMLs
-    python evaluate.py runs/<name>/hf --overwrite data/cache/<shards>       # beta_eff probe (Fig. 2), + PNG
+    python evaluate.py model=runs/small_recurrent_kdn_diag preset=quick        # offline CPU demo, prints a table
+    python evaluate.py model=runs/<name> suites=[lm,ruler,retrieval]          # the paper's protocol
+    python evaluate.py model=runs/<name>/checkpoints/step_000001000 suites=[ruler]
+    python evaluate.py model=runs/<name> suites=[ppl] ppl.shards=data/cache/embedded-kjv-mistral-v1
+    python evaluate.py model=runs/<name> suites=[beta_eff] beta_eff.shards=data/cache/<shards>
+    python evaluate.py -m model=runs/a,runs/b hydra/launcher=slurm                   # a sweep on SLURM
 
-Results are printed and written (temp file, then rename) to ``--out`` (default: ``<model dir>/../eval.json``).
-lm-eval's hub tasks need their datasets in the Hugging Face cache (``HF_DATASETS_OFFLINE=1`` on clusters).
+Each suite writes ``<run dir>/eval/<suite>.json`` (schema in eval/results.py) after every finished cell; a rerun
+skips finished suites and cells unless ``overwrite=true``. Bad input exits with one line naming the fix.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import dataclasses
+import logging
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
+import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
-from eval.harness import TABLE1_TASKS, load_model, run_tasks, table1_row
-from eval.overwrite import plot, probe_beta_eff, summarize
-from eval.perplexity import shard_perplexity
+from eval.harness import Unavailable, go_offline, load_model
+from eval.model_dir import full_attention_limit, model_metadata, resolve, training_context
+from eval.suites import Context, run_beta_eff, run_lm, run_ppl, run_retrieval
 
 ROOT = Path(__file__).resolve().parent
+CONF = ROOT / "conf" / "eval"
+RUNNERS = {"lm": run_lm, "ruler": eval.ruler_suite.run_ruler, "retrieval": run_retrieval, "ppl": run_ppl,
+           "beta_eff": run_beta_eff}
+log = logging.getLogger("evaluate")
 
 
 def _unshadow() -> None:
@@ -33,56 +39,101 @@ def _unshadow() -> None:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 
-def write_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(f.name, path)
+def build_context(cfg: Any) -> Context:
+    """Resolve and load the model named by ``cfg.model``; everything the suites share."""
+    import torch
+
+    from data import load_tokenizer
+
+    target = resolve(cfg.model)
+    if cfg.out_dir:
+        target = dataclasses.replace(target, out_dir=Path(cfg.out_dir))
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
+        ("cpu" if cfg.device == "auto" else cfg.device)
+    dtype = ("bfloat16" if device.startswith("cuda") else "float32") if cfg.dtype == "auto" else cfg.dtype
+    model, hf_tok = load_model(target.hf_dir, device=device, dtype=dtype)
+    if hf_tok.pad_token_id is None:  # left padding of batched prompts: pad with EOS, masked out
+        hf_tok.pad_token = hf_tok.eos_token
+    hf_tok.padding_side = "left"
+    return Context(target=target, model=model, hf_tokenizer=hf_tok, tokenizer=load_tokenizer(str(target.hf_dir)),
+                   device=torch.device(device), dtype=dtype,
+                   max_length=int(cfg.max_length or training_context(target)),
+                   attention_limit=full_attention_limit(model.config, target), model_meta=model_metadata(target, model),
+                   batch_size=int(cfg.batch_size), overwrite=bool(cfg.overwrite), log_samples=bool(cfg.log_samples),
+                   skip_unavailable=bool(cfg.skip_unavailable), progress=bool(cfg.progress))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path, help="a Hugging Face model directory exported by train.py")
-    ap.add_argument("--tasks", default="", help="'table1' or comma-separated lm-eval task names")
-    ap.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
-    ap.add_argument("--ppl", type=Path, default=None, help="a shard directory from data.prepare")
-    ap.add_argument("--split", default="val")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--max-batches", type=int, default=None)
-    ap.add_argument("--overwrite", type=Path, default=None, help="shard directory for the beta_eff probe")
-    ap.add_argument("--probe-seqs", type=int, default=8)
-    ap.add_argument("--probe-len", type=int, default=2048)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    if not args.tasks and args.ppl is None and args.overwrite is None:
-        ap.error("nothing to evaluate: pass --tasks, --ppl and/or --overwrite")
-    model, tokenizer = load_model(args.model, device=args.device)
-    report: dict = {"model": str(args.model)}
-    if args.ppl is not None:
-        report["perplexity"] = shard_perplexity(model, args.ppl, split=args.split, seq_len=args.seq_len,
-                                                max_batches=args.max_batches)
-        print(f"{args.split} loss {report['perplexity']['loss']:.4f}  ppl {report['perplexity']['ppl']:.2f}  "
-              f"({report['perplexity']['tokens']} tokens)")
-    if args.tasks:
-        tasks = list(TABLE1_TASKS) if args.tasks == "table1" else [t for t in args.tasks.split(",") if t]
-        report["tasks"] = run_tasks(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
-                                    include_path=args.include_path)
-        report["table1"] = table1_row(report["tasks"])
-        for task, metrics in report["tasks"].items():
-            print(f"{task:<20}" + "  ".join(f"{m} {v:.4f}" for m, v in sorted(metrics.items())))
-    out = args.out or args.model.parent / "eval.json"
-    if args.overwrite is not None:
-        betas = probe_beta_eff(model, args.overwrite, n_seqs=args.probe_seqs, seq_len=args.probe_len)
-        report["overwrite"] = summarize(betas)
-        plot(betas, out.with_name(out.stem + "_beta_eff.png"))
-        pooled = report["overwrite"]["pooled"]
-        print(f"beta_eff: mean {pooled['mean']:.3f}  median {pooled['q50']:.3f}  "
-              f"share >= 0.9 {pooled['overwrite_share']:.3f}  ({len(betas)} layers)")
-    write_atomic(out, report)
-    return report
+def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) -> str:
+    """The results of every suite run, one line per cell and one summary line per suite; then what was skipped."""
+    lines = []
+    for suite, rep in reports.items():
+        lines.append(f"== {suite} ({rep['model']['name']}, {rep['wall_time_s']:.0f} s)")
+        for cell, res in rep["results"].items():
+            nums = res if isinstance(res, dict) else {"value": res}
+            shown = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in nums.items()
+                              if isinstance(v, (int, float)))
+            lines.append(f"  {cell:<28} {shown}")
+        if rep["summary"]:
+            lines.append("  " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in rep["summary"].items()))
+    by_suite: dict[str, list[str]] = {}
+    for what in skipped:
+        by_suite.setdefault(what.split("/")[0], []).append(what)
+    for suite, items in by_suite.items():  # one line per suite: what did not run, and the first reason
+        cells = [w.split("/", 1)[1] for w in items if "/" in w]
+        lines.append(f"skipped {suite}{f' ({len(cells)}: ' + ', '.join(cells) + ')' if cells else ''}: "
+                     f"{skipped[items[0]]}")
+    return "\n".join(lines)
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Run ``cfg.suites`` on ``cfg.model``; returns ``{"reports": {suite: results file}, "skipped": {...}}``."""
+    suites = list(cfg.suites)
+    unknown = [s for s in suites if s not in RUNNERS]
+    if unknown or not suites:
+        raise ValueError(f"unknown suite(s) {unknown or suites}: choose from suites=[{','.join(RUNNERS)}]")
+    if cfg.offline:  # no network calls: hub datasets come from the local cache or are reported missing
+        go_offline()
+    ctx = build_context(cfg)
+    reports: dict[str, dict[str, Any]] = {}
+    for suite in suites:
+        try:
+            rep = RUNNERS[suite](ctx, cfg[suite])
+        except Unavailable as e:
+            if not ctx.skip_unavailable:
+                raise
+            ctx.skipped[suite] = str(e)
+            continue
+        if rep["results"]:
+            reports[suite] = rep
+        elif not any(k.startswith(f"{suite}/") for k in ctx.skipped):
+            ctx.skipped[suite] = "no cell ran"
+    print(format_table(reports, ctx.skipped))
+    print(f"results in {ctx.target.out_dir}")
+    return {"reports": reports, "skipped": dict(ctx.skipped)}
+
+
+def compose(overrides: list[str]) -> Any:
+    """The config ``python evaluate.py <overrides>`` would run (Hydra's compose API; for tests and scripts)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
+    def app(cfg: Any) -> None:
+        try:
+            run(cfg)
+        except (ValueError, FileNotFoundError, Unavailable) as e:
+            print(f"evaluate: {str(e).splitlines()[0]}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    app()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,164 @@
+"""What is being evaluated: a run directory, its ``hf/`` export, or one of its checkpoints (exported first).
+
+``resolve(path)`` -> :class:`Target` (the run directory, the Hugging Face directory to load, where results go, the
+checkpoint step); ``model_metadata(target, model)`` -> the ``model`` block of every results file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("evaluate")
+DEFAULT_MAX_LENGTH = 4096  # the paper's training context (docs/protocol.md §8)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """``hf_dir``: the model to load; ``run_dir``: its training run (``None`` for a bare export); ``out_dir``:
+    where ``<suite>.json`` go; ``step``: the checkpoint's step (``None`` for the final export)."""
+
+    hf_dir: Path
+    run_dir: Path | None
+    out_dir: Path
+    step: int | None = None
+
+
+def _run_config(run_dir: Path | None) -> dict[str, Any]:
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False) or {}
+
+
+def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
+    """Write ``<checkpoint>/hf`` from a checkpoint's weights and the run's config (skipped when present)."""
+    out = ckpt / "hf"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from accelerate import Accelerator
+    from omegaconf import OmegaConf
+
+    from data import load_tokenizer, read_meta
+    from models import build_model
+    from trainer.checkpoint import export_hf
+    from trainer.config import TrainConfig, build_model_config
+
+    weights = [p for p in (ckpt / "pytorch_model.bin", ckpt / "model.safetensors") if p.is_file()]
+    if not weights:
+        raise FileNotFoundError(f"{ckpt} holds no full model weights (pytorch_model.bin); an FSDP checkpoint is "
+                                "sharded: export it by resuming the run with trainer.max_steps=<its step>")
+    # the model's part of the run config (the training budget is not re-validated here)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), _run_config(run_dir)))
+    shard_dir = Path(cfg.data.prepare.get("out_dir") or "")
+    tok_name = read_meta(shard_dir)["tokenizer"]["name"] if (shard_dir / "meta.json").is_file() else \
+        cfg.data.prepare.get("tokenizer", "mistral-v1")
+    tokenizer = load_tokenizer(tok_name)
+    model = build_model(build_model_config(cfg, tokenizer.vocab_size))
+    if weights[0].suffix == ".bin":
+        state = torch.load(weights[0], map_location="cpu", weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(weights[0])
+    model.load_state_dict(state)
+    log.info(f"exporting {ckpt} to {out}")
+    return export_hf(Accelerator(cpu=True), model, tokenizer, out)
+
+
+def resolve(path: str | Path) -> Target:
+    """A run directory (uses ``hf/``), a Hugging Face export, or a checkpoint ``runs/<x>/checkpoints/step_N``
+    (exported to ``<checkpoint>/hf`` first; results under ``runs/<x>/eval/step_N``)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model={path}: no such directory; pass a run directory (runs/<name>), its hf/ "
+                                "export or a checkpoint runs/<name>/checkpoints/step_N")
+    if _STEP_DIR.match(p.name) and p.parent.name == "checkpoints":
+        run_dir = p.parent.parent
+        return Target(_export_checkpoint(p, run_dir), run_dir, run_dir / "eval" / p.name,
+                      int(_STEP_DIR.match(p.name).group(1)))
+    if (p / "config.json").is_file():
+        run_dir = p.parent if (p.parent / "config.yaml").is_file() else None
+        return Target(p, run_dir, (run_dir or p) / "eval")
+    if (p / "config.yaml").is_file():
+        if not (p / "hf" / "config.json").is_file():
+            raise FileNotFoundError(f"model={path}: the run has no hf/ export yet (training unfinished?); finish "
+                                    f"it, or pass a checkpoint: {p}/checkpoints/step_N")
+        return Target(p / "hf", p, p / "eval")
+    raise FileNotFoundError(f"model={path} is neither a run directory (config.yaml), a Hugging Face export "
+                            "(config.json) nor a checkpoint (checkpoints/step_N)")
+
+
+def training_context(target: Target) -> int:
+    """The run's training sequence length (``data.seq_len``), else the paper's 4096."""
+    seq_len = _run_config(target.run_dir).get("data", {}).get("seq_len")
+    return int(seq_len) if seq_len else DEFAULT_MAX_LENGTH
+
+
+def full_attention_limit(model_config: Any, target: Target) -> int | None:
+    """The longest context a model with a full-attention layer was trained on (``None`` when every layer is
+    recurrent or sliding-window: those run at any length)."""
+    codes = getattr(model_config, "layer_codes", "")
+    kwargs = getattr(model_config, "mixer_kwargs", {}) or {}
+    full = "A" in codes or (getattr(model_config, "mixer", None) == "attn" and "R" in codes
+                            and kwargs.get("window", getattr(model_config, "window", None)) is None)
+    return training_context(target) if full else None
+
+
+def check_context(length: int, limit: int | None, what: str) -> None:
+    """Refuse a ``length``-token context beyond a full-attention model's trained ``limit``."""
+    if limit is not None and length > limit:
+        raise ValueError(f"{what} needs {length} tokens but this full-attention model was trained on {limit}; "
+                         f"drop the longer cells (e.g. ruler.lengths) or set max_length<={limit}")
+
+
+def _last_metrics(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "metrics.jsonl"
+    last: dict[str, Any] = {}
+    if not path.is_file():
+        return last
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}: skipping the unreadable line {i + 1} (a torn write)", stacklevel=2)
+            continue
+        if "tokens" in rec:
+            last = rec
+    return last
+
+
+def model_metadata(target: Target, model: Any) -> dict[str, Any]:
+    """The ``model`` block of a results file: paths, mixer, size, pattern, options, parameter counts, tokens
+    trained, training seed, step and the commit the run was trained from (when recorded)."""
+    from models import parameter_counts
+
+    cfg = _run_config(target.run_dir)
+    mc = model.config
+    try:
+        total, non_embedding = parameter_counts(mc)
+    except (TypeError, AttributeError, ValueError):
+        total, non_embedding = sum(p.numel() for p in model.parameters()), None
+    last = _last_metrics(target.run_dir) if target.run_dir is not None else {}
+    mixer_cfg = cfg.get("mixer", {})
+    return {
+        "run_dir": str(target.run_dir) if target.run_dir else None, "hf_dir": str(target.hf_dir),
+        "name": cfg.get("name") or target.hf_dir.parent.name, "mixer": getattr(mc, "mixer", None),
+        "size": cfg.get("model", {}).get("size"), "pattern": getattr(mc, "pattern", None),
+        "mixer_options": {k: mixer_cfg.get(k) for k in ("mu", "noise", "alpha_param")} if mixer_cfg else
+        dict(getattr(mc, "mixer_kwargs", {}) or {}),
+        "parameters": int(total), "non_embedding_parameters": None if non_embedding is None else int(non_embedding),
+        "tokens_trained": last.get("tokens"), "seed": cfg.get("seed"),
+        "step": target.step if target.step is not None else last.get("step"),
+        "git_commit": cfg.get("git_commit"),
+    }

@@ -1,0 +1,83 @@
+"""Table 2: the modified RULER grid (docs/protocol.md §9) on a loaded model.
+
+The samples come from :mod:`eval.ruler` (each derived from its own seed, so every model sees the same ones); the
+prompts of a cell are decoded greedily in length-sorted, left-padded batches over the model's cache
+(:func:`eval.generation.greedy_generate`), at most ``max_new_tokens`` tokens, stopping at EOS. A cell's score is
+RULER's ``string_match_all`` (x100); the summary is the equal-weight mean over the cells run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm import tqdm
+
+from eval.generation import greedy_generate
+from eval.model_dir import check_context
+from eval.results import sha256_text
+from eval.suites import Context, run_cells
+
+
+def ruler_cells(tasks: list[str], lengths: list[int]) -> list[tuple[str, int]]:
+    """``(task, length)`` of the grid restricted to ``tasks`` and ``lengths``; unknown names are refused."""
+    from eval import ruler
+
+    bad = [t for t in tasks if t not in ruler.TASKS]
+    if bad:
+        raise ValueError(f"unknown RULER task(s) {bad}: use {list(ruler.TASKS)}")
+    cells = [(t, n) for t in tasks for n in ruler.GRID[t] if n in lengths]
+    known = {n for t in tasks for n in ruler.GRID[t]}
+    extra = sorted(set(lengths) - known)
+    if extra:
+        raise ValueError(f"RULER length(s) {extra} are in no selected task's grid "
+                         f"({ {t: list(ruler.GRID[t]) for t in tasks} }): drop them from ruler.lengths")
+    if not cells:
+        raise ValueError("ruler.tasks x ruler.lengths selects no cell")
+    return cells
+
+
+def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
+    """Run the selected cells (``ruler.tasks`` x ``ruler.lengths``, ``ruler.samples_per_cell`` each); a cell is
+    written as soon as it finishes."""
+    from eval import ruler
+
+    cells = ruler_cells(list(cfg.tasks), [int(n) for n in cfg.lengths])
+    for task, length in cells:
+        check_context(length, ctx.attention_limit, f"RULER cell {ruler.cell_name(task, length)}")
+    haystack = ruler.load_haystack(cfg.haystack)
+    tok = ctx.hf_tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else ctx.model.config.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    n = int(cfg.samples_per_cell)
+    by_name = {ruler.cell_name(t, length): (t, length) for t, length in cells}
+    bar = tqdm(total=0, desc="ruler", unit="sample", disable=not ctx.progress, dynamic_ncols=True)
+
+    def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        task, length = by_name[name]
+        samples = ruler.build_samples(task, length, n, tokenizer=ctx.tokenizer, haystack=haystack,
+                                      seed=int(cfg.seed), max_new_tokens=int(cfg.max_new_tokens))
+        prompts = [tok(s["prompt"])["input_ids"] for s in samples]
+        bar.total += len(prompts)
+        bar.set_postfix_str(name)
+        gens = greedy_generate(ctx.model, prompts, max_new_tokens=int(cfg.max_new_tokens), stop_ids={eos},
+                               pad_id=pad, batch_size=ctx.batch_size, on_batch=bar.update)
+        preds = [ruler.postprocess(tok.decode(g, skip_special_tokens=True)) for g in gens]
+        refs = [s["answers"] for s in samples]
+        rows = [{"index": s["index"], "prompt_sha256": sha256_text(s["prompt"]), "answers": s["answers"],
+                 "prediction": p, "score": ruler.string_match_all([p], [s["answers"]]), "depth": s["depth"],
+                 "prompt_tokens": len(ids)} for s, p, ids in zip(samples, preds, prompts)]
+        return {"score": ruler.string_match_all(preds, refs), "n": len(samples),
+                "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)}, rows
+
+    def summarize(res: dict[str, Any]) -> dict[str, Any]:  # every cell in the file, this run's and earlier ones
+        scores = [r["score"] for r in res.values()]
+        return {"mean": sum(scores) / len(scores), "cells": len(scores)} if scores else {"cells": 0}
+
+    settings = {"max_length": ctx.max_length, "samples_per_cell": n, "seed": int(cfg.seed),
+                "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
+                "haystack": {"source": haystack.source, "sha256": haystack.sha256},
+                "max_new_tokens": int(cfg.max_new_tokens), "batch_size": ctx.batch_size, "dtype": ctx.dtype,
+                "tasks": {t: 1.0 for t in cfg.tasks}, "cells": list(by_name)}
+    try:
+        return run_cells(ctx, "ruler", settings, list(by_name), run_cell, summarize, bar=False)
+    finally:
+        bar.close()

@@ -1,0 +1,99 @@
+"""The RULER runner (Table 2) end to end: a model that emits the queried value scores 100, one that emits nothing
+scores 0; cells are written as they finish and a rerun continues after a crash."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from eval_fixtures import export_toy_run, oracle_from
+
+import eval.ruler_suite
+import evaluate
+from data import load_tokenizer
+
+TOK = load_tokenizer("mistral-v1")
+CELLS = ["niah_single_1@1024", "niah_multikey_1@1024"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_toy_run(tmp_path_factory.mktemp("r") / "run")
+
+
+def queried_value(ids: list[int]) -> str:
+    text = TOK.decode(ids)
+    key = re.findall(r"special magic \w+ for (.+?) mentioned in the provided text", text)[-1]
+    return re.search(re.escape(f"for {key} is: ") + r"(\S+?)\.", text).group(1)
+
+
+def _use_oracle(monkeypatch: pytest.MonkeyPatch, answer: object) -> None:
+    real = evaluate.load_model
+    monkeypatch.setattr(evaluate, "load_model", lambda p, device, dtype: (
+        oracle_from(p, answer), real(p, device=device, dtype=dtype)[1]))
+
+
+def _args(run_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model={run_dir}", "suites=[ruler]", f"out_dir={out}", "ruler.samples_per_cell=3",
+            "ruler.tasks=[niah_single_1,niah_multikey_1]", "ruler.lengths=[1024]", "batch_size=2",
+            "progress=false", "ruler.max_new_tokens=16", *extra]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_right_answers_score_100_and_silence_scores_0(right: bool, run_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_oracle(monkeypatch, (lambda ids: TOK.encode(" " + queried_value(ids) + ".")) if right else (lambda ids: []))
+    out = evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "log_samples=true")))
+    rep = json.loads((tmp_path / "ruler.json").read_text())
+    assert rep == out["reports"]["ruler"] and list(rep["results"]) == CELLS
+    assert {r["score"] for r in rep["results"].values()} == {100.0 if right else 0.0}
+    assert rep["summary"] == {"mean": 100.0 if right else 0.0, "cells": 2}
+    s = rep["settings"]
+    assert s["samples_per_cell"] == 3 and s["max_new_tokens"] == 16 and s["haystack"]["sha256"]
+    assert s["tokenizer_sha256"] == load_tokenizer(str(run_dir / "hf")).fingerprint and s["max_length"] == 4096
+    m = rep["model"]
+    assert m["mixer"] == "kdn_diag" and m["tokens_trained"] == 40960 and m["seed"] == 3 and m["parameters"] > 0
+    assert rep["versions"]["torch"] and rep["schema"] == 1
+    rows = [json.loads(x) for x in (tmp_path / "ruler.samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["cell"] for r in rows} == set(CELLS)
+    assert all(len(r["prompt_sha256"]) == 64 and r["answers"] for r in rows)
+
+
+def test_a_crash_keeps_finished_cells_and_a_rerun_continues(run_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_oracle(monkeypatch, lambda ids: TOK.encode(" " + queried_value(ids)))
+    calls: list[int] = []
+    real = eval.ruler_suite.greedy_generate
+
+    def flaky(*a: object, **k: object) -> list[list[int]]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(*a, **k)
+
+    monkeypatch.setattr(eval.ruler_suite, "greedy_generate", flaky)
+    with pytest.raises(RuntimeError, match="device lost"):
+        evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
+    assert list(json.loads((tmp_path / "ruler.json").read_text())["results"]) == CELLS[:1]
+    evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
+    assert len(calls) == 3  # cell 1 was not run again
+    assert list(json.loads((tmp_path / "ruler.json").read_text())["results"]) == CELLS
+    evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
+    assert len(calls) == 3  # a finished suite is skipped
+    evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "overwrite=true")))
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match=r"other settings \(samples_per_cell\).*overwrite=true"):
+        evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "ruler.samples_per_cell=4")))
+
+
+def test_bad_cells_and_contexts_are_refused(run_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown RULER task\(s\) \['niah_double'\]"):
+        evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "ruler.tasks=[niah_double]")))
+    with pytest.raises(ValueError, match=r"RULER length\(s\) \[8192\] are in no selected task's grid"):
+        evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "ruler.tasks=[niah_single_3]",
+                                            "ruler.lengths=[1024,8192]")))
+    attn = export_toy_run(tmp_path / "attn", pattern="A", seq_len=1024)  # full attention in every layer
+    with pytest.raises(ValueError, match=r"RULER cell niah_single_1@2048 needs 2048 tokens but this full-attention "
+                                         r"model was trained on 1024"):
+        evaluate.run(evaluate.compose(_args(attn, tmp_path, "ruler.lengths=[1024,2048]")))
