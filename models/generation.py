@@ -384,8 +384,9 @@ def hf_generate(model: torch.nn.Module, inputs: Tensor | None, generation_config
         v = getattr(gc, name, None)
         return defaults.get(name) if v is None else v
 
-    for name in vars(GenerationConfig()):
-        if name not in _HF_FIELDS and value(name) != defaults.get(name):
+    for name in vars(GenerationConfig()):  # unset, off or at transformers' default
+        v = value(name)
+        if name not in _HF_FIELDS and not (v is None or v is False or v == defaults.get(name)):
             return None
     do_sample = bool(value("do_sample"))
     if value("return_dict_in_generate") and do_sample:
