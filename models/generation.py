@@ -6,8 +6,8 @@ cost over static buffers, replayed from a CUDA graph on CUDA.
   token give the first new token, and the cache is copied into a :class:`models.cache.StaticKDNCache`.
 - **Decode**: :class:`StaticDecoder` runs the model on ``[bucket, 1]`` token ids against the static cache: every
   layer reads and writes fixed buffers (recurrent states, conv windows, attention rings), with no host sync. On CUDA
-  the step is captured once per (batch bucket, dtype, attention ring lengths) and replayed; graphs live on the model
-  (:func:`decoders`) and are reused by later calls.
+  the step is captured once per (batch bucket, dtype, autocast dtype, attention ring lengths) and replayed; graphs
+  live on the model (:func:`decoders`) and are reused by later calls.
 - **Sampling**: greedy, temperature, top-k, top-p (Gumbel-max draws, no host sync); EOS tokens and stop strings end
   rows independently; the host looks at the rows every ``check_every`` tokens (the only syncs of the loop).
 
@@ -89,14 +89,18 @@ class StaticDecoder:
     def capture(self) -> None:
         """Capture the step in a CUDA graph (after two warm-up steps on a side stream). The warm-up and the capture
         advance the state: load the prefill afterwards."""
+        # under autocast, casts must not come from autocast's weight cache: its tensors are freed when the outer
+        # autocast region ends, while the graph would keep reading their memory
+        amp = torch.autocast("cuda", enabled=torch.is_autocast_enabled("cuda"),
+                             dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), amp:
             for _ in range(2):
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), amp:
             self.logits = self._forward()
         self.graph = graph
         self.captures += 1
@@ -287,7 +291,8 @@ def generate(
     if max_new_tokens > 1:
         pool = decoders(model)
         dtype = next(model.parameters()).dtype
-        key = (bucket, dtype, device, tuple(sorted(rings.items())), cuda_graph)
+        amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        key = (bucket, dtype, amp, device, tuple(sorted(rings.items())), cuda_graph)
         decoder = pool.decoders.get(key)
         if decoder is None:
             if cuda_graph and pool.pool is None:
