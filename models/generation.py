@@ -113,7 +113,7 @@ class StaticDecoder:
         return self._forward()
 
 
-def check_prompts(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+def check_prompts(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     """The boolean mask ``[B, T]`` of real tokens, after checking the prompts: 2-D token ids, a mask of the same
     shape with each row left-padded (zeros, then ones) and at least one token."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
@@ -274,7 +274,7 @@ def generate(
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
     _check_settings(max_new_tokens, temperature, top_k, top_p, check_every, stop_strings, tokenizer)
-    mask = check_prompts(model, input_ids, attention_mask)
+    mask = check_prompts(input_ids, attention_mask)
     B, T = input_ids.shape
     device = input_ids.device
     bucket = _bucket(B, batch_buckets)

@@ -197,3 +197,34 @@ def test_bad_input_gets_one_line_errors() -> None:
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="CUDA"):
         generate(model, ids, NEW, attention_mask=mask, cuda_graph=True)
+
+
+INPLACE_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, "tests")
+from kdn.ops import fused_recurrent
+from kdn_inputs import make_inputs, make_state, rel_err
+
+out = {}
+for iso in (False, True):
+    x = make_inputs(2, 1, 3, 12, 40, isotropic=iso, seed=3)
+    S0, u0 = make_state(2, 3, 12, 40, isotropic=iso)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "omega", "r")]
+    mu = torch.tensor([0.5, 3.0, 12.0])
+    step = fused_recurrent.fused_recurrent_isotropic_kdn if iso else fused_recurrent.fused_recurrent_diagonal_kdn
+    o, (S, u) = step(*args, mu, (S0.float(), u0.float()))
+    S_buf = S0.float().clone()
+    o2, (S2, u2) = step(*args, mu, (S_buf, u0.float()), inplace=True)
+    out["iso" if iso else "diag"] = {"same_buffer": S2.data_ptr() == S_buf.data_ptr(), "o": rel_err(o2, o),
+                                     "S": rel_err(S2, S), "u": rel_err(u2, u)}
+print(json.dumps(out))
+"""
+
+
+def test_inplace_fused_step_equals_the_copying_step_interpreted() -> None:
+    """The fused KDN step (Triton's interpreter) updating a static memory in place gives the copying step's values."""
+    triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
+    res = triton_interpret.run_interpreted(INPLACE_SCRIPT, timeout=300)
+    for name, r in res.items():
+        assert r.pop("same_buffer"), name
+        assert all(e == 0.0 for e in r.values()), (name, r)
