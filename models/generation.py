@@ -43,17 +43,18 @@ class GenerateOutput:
 
 @dataclass
 class DecoderPool:
-    """The static decoders of one model, keyed by ``(bucket, dtype, ring lengths)``, with the graphs' memory pool and
-    the parameter addresses they were captured against."""
+    """The static decoders of one model, keyed by ``(bucket, dtype, autocast dtype, device, cuda_graph)``, with the
+    graphs' memory pool and the parameter addresses they were captured against."""
 
     decoders: dict[tuple, StaticDecoder] = field(default_factory=dict)
     params: tuple[int, ...] = ()
     pool: Any = None
+    replaced: int = 0  # graphs captured by decoders since replaced (longer attention rings)
 
     @property
     def captures(self) -> int:
         """CUDA graphs captured so far."""
-        return sum(d.captures for d in self.decoders.values())
+        return self.replaced + sum(d.captures for d in self.decoders.values())
 
 
 def decoders(model: torch.nn.Module) -> DecoderPool:
@@ -185,6 +186,34 @@ def select(logits: Tensor, do_sample: bool, temperature: float, top_k: int, top_
     return (x - (-u.log()).log()).argmax(-1)
 
 
+def _decoder(model: torch.nn.Module, bucket: int, rings: dict[int, int], device: torch.device,
+             cuda_graph: bool) -> StaticDecoder:
+    """The model's decoder for ``bucket`` rows in the current dtype and autocast state: one per such key, reused while
+    its attention rings hold ``rings`` (a full-attention ring at least as long); otherwise replaced by one whose rings
+    are the larger of both, so that the cache memory stays that of one decoder per key."""
+    pool = decoders(model)
+    dtype = next(model.parameters()).dtype
+    amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    key = (bucket, dtype, amp, device, cuda_graph)
+    decoder = pool.decoders.get(key)
+    if decoder is not None and all(decoder.cache.ring_lengths[i] >= n for i, n in rings.items()):
+        return decoder
+    if decoder is not None:
+        rings = {i: max(n, decoder.cache.ring_lengths[i]) for i, n in rings.items()}
+        pool.replaced += decoder.captures
+        del pool.decoders[key]
+    if cuda_graph and pool.pool is None:
+        pool.pool = torch.cuda.graph_pool_handle()
+    decoder = StaticDecoder(model, bucket, rings, device, cuda_graph, pool.pool)
+    pool.decoders[key] = decoder
+    return decoder
+
+
+def release(model: torch.nn.Module) -> None:
+    """Drop the model's static decoders (their caches and CUDA graphs)."""
+    model.__dict__.pop("_static_decoders", None)
+
+
 def _check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float, check_every: int,
                     stop_strings: Sequence[str] | None, tokenizer: Any) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -289,16 +318,7 @@ def generate(
     logits, cache = prefill(model, input_ids, mask)
     decoder = None
     if max_new_tokens > 1:
-        pool = decoders(model)
-        dtype = next(model.parameters()).dtype
-        amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        key = (bucket, dtype, amp, device, tuple(sorted(rings.items())), cuda_graph)
-        decoder = pool.decoders.get(key)
-        if decoder is None:
-            if cuda_graph and pool.pool is None:
-                pool.pool = torch.cuda.graph_pool_handle()
-            decoder = StaticDecoder(model, bucket, rings, device, cuda_graph, pool.pool)
-            pool.decoders[key] = decoder
+        decoder = _decoder(model, bucket, rings, device, cuda_graph)
         decoder.cache.load(cache, B)
         if cuda_graph and decoder.graph is None:
             decoder.capture()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import MIXERS, build_model, model_config
-from models.generation import decoders, generate, prefill
+from models.generation import decoders, generate, prefill, release
 
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 
@@ -228,3 +228,19 @@ def test_inplace_fused_step_equals_the_copying_step_interpreted() -> None:
     for name, r in res.items():
         assert r.pop("same_buffer"), name
         assert all(e == 0.0 for e in r.values()), (name, r)
+
+
+def test_full_attention_rings_grow_and_are_reused() -> None:
+    """One decoder per batch bucket: a longer context replaces it by one with a longer full-attention ring, which
+    shorter contexts then reuse; the tokens do not depend on the ring's length."""
+    model = _model("kdn_diag", "RA")
+    ids, mask, _ = _prompts((9, 5))
+    pool = decoders(model)
+    short = generate(model, ids, 4, attention_mask=mask, cuda_graph=False, max_cache_len=16)
+    assert [d.cache.ring_lengths for d in pool.decoders.values()] == [{1: 16}]
+    generate(model, ids, NEW, attention_mask=mask, cuda_graph=False)  # 9 + 12 positions: a ring of 256
+    assert [d.cache.ring_lengths for d in pool.decoders.values()] == [{1: 256}]
+    again = generate(model, ids, 4, attention_mask=mask, cuda_graph=False, max_cache_len=16)
+    assert len(pool.decoders) == 1 and torch.equal(again.sequences, short.sequences)
+    release(model)
+    assert "_static_decoders" not in model.__dict__
