@@ -242,8 +242,7 @@ def _bucket(B: int, batch_buckets: Sequence[int] | None) -> int:
     return next(b for b in buckets if b >= B)
 
 
-def _stop_ends(out: Tensor, lengths: Tensor, done: Tensor, steps: int, stop_strings: Sequence[str],
-               tokenizer: Any) -> dict[int, int]:
+def _stop_ends(out: Tensor, done: Tensor, steps: int, stop_strings: Sequence[str], tokenizer: Any) -> dict[int, int]:
     """Rows (not yet done) whose first ``steps`` new tokens contain a stop string: ``{row: new tokens up to and
     including the token that completes it}``."""
     tokens = out[:, :steps].tolist()
@@ -358,7 +357,7 @@ def generate(
                 break
         if (eos or stop_strings) and (steps % check_every == 0 or steps == max_new_tokens):
             if stop_strings:
-                for row, end in _stop_ends(out, lengths, done, steps, stop_strings, tokenizer).items():
+                for row, end in _stop_ends(out, done, steps, stop_strings, tokenizer).items():
                     lengths[row] = end
                     done[row] = True
             if bool(done.all()):
