@@ -11,6 +11,7 @@ import torch
 
 from models import MIXERS, build_model, model_config
 from models.generation import decoders, generate, prefill, release
+from models.layers.attention import sliding_attention
 
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 
@@ -68,7 +69,7 @@ def test_prefill_state_equals_token_by_token(mixer: str, pattern: str) -> None:
     """The packed prefill's cache (recurrent states, conv windows, the keys and values a step reads) equals the cache
     after feeding each prompt alone, one token at a time."""
     model = _model(mixer, pattern)
-    ids, mask, rows = _prompts((9, 4))
+    ids, mask, rows = _prompts((21, 4))  # longer than the toy window (16): sliding attention by blocks
     _, packed = prefill(model, ids, mask.bool())
     for i, r in enumerate(rows):
         with torch.no_grad():
@@ -244,3 +245,13 @@ def test_full_attention_rings_grow_and_are_reused() -> None:
     assert len(pool.decoders) == 1 and torch.equal(again.sequences, short.sequences)
     release(model)
     assert "_static_decoders" not in model.__dict__
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_attention_by_blocks_equals_the_banded_mask(window: int) -> None:
+    q, k, v = (torch.randn(2, 3, 37, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    i = torch.arange(37)
+    band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    assert _rel(sliding_attention(q, k, v, window), ref) < 1e-12

@@ -31,6 +31,21 @@ def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
 
 
+def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Causal attention of one sequence within a window, ``q, k, v [B, H, n, K]``, by blocks of ``window`` queries:
+    each block reads the keys from ``window - 1`` before its first query to its last (masks of ``window x 2 window``,
+    never ``n x n``)."""
+    n = q.shape[2]
+    o = torch.empty_like(q)
+    for s in range(0, n, window):
+        e, lo = min(s + window, n), max(0, s - window + 1)
+        i = torch.arange(s, e, device=q.device)[:, None]
+        j = torch.arange(lo, e, device=q.device)[None, :]
+        band = (j <= i) & (i - j < window)
+        o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], attn_mask=band)
+    return o
+
+
 class Attention(nn.Module):
     """Multi-head causal attention: ``num_heads x head_dim`` heads, ``window`` (``None``: full) and RoPE."""
 
@@ -140,10 +155,7 @@ class Attention(nn.Module):
                 o[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
                                                               is_causal=True)
             else:
-                i = torch.arange(n, device=x.device)
-                band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
-                o[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                              attn_mask=band)
+                o[:, :, a:b] = sliding_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.window)
         longest = max(lengths)
         L = longest if self.window is None else min(longest, self.window - 1)
         ends = cu_seqlens[1:].to(x.device)
