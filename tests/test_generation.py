@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from models import MIXERS, build_model, model_config
 from models.generation import decoders, generate, prefill, release
@@ -255,3 +256,30 @@ def test_sliding_attention_by_blocks_equals_the_banded_mask(window: int) -> None
     band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
     assert _rel(sliding_attention(q, k, v, window), ref) < 1e-12
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (a sync on CUDA) or make a data-dependent shape."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket.__name__ in self.SYNCING:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("mixer", "pattern"), [(m, "hybrid_swa") for m in MIXERS] + [("kdn_diag", "RSA")])
+def test_static_step_reads_nothing_on_the_host(mixer: str, pattern: str) -> None:
+    """The one-token step over the static cache (what a CUDA graph captures) has no host read of a tensor value."""
+    model = _model(mixer, pattern)
+    ids, mask, _ = _prompts((9, 5))
+    generate(model, ids, 2, attention_mask=mask, cuda_graph=False)
+    (decoder,) = decoders(model).decoders.values()
+    with torch.no_grad(), _HostReads() as reads:
+        decoder.step()
+    assert reads.seen == []
