@@ -139,9 +139,9 @@ class Attention(nn.Module):
     def packed_prefill(self, x: Tensor, cu_seqlens: Tensor, cache: RecurrentCache | None
                        ) -> tuple[Tensor, None, RecurrentCache]:
         """Packed prompts ``x [1, T, d]`` (``cu_seqlens [N+1]``) from an empty cache: attention within each document
-        (one SDPA call per document, never a ``[T, T]`` mask), and per document the keys and values a decoding step
-        needs, left-aligned to the right: ``k, v [N, H, L, K]``, ``valid [N, L]``, ``pos [N, L]``, ``next_pos [N]``
-        (``L``: the longest document, at most ``window - 1`` when sliding)."""
+        (one SDPA call per document, by blocks past the window, never a ``[T, T]`` mask), and per document the keys
+        and values a decoding step needs, the latest last (left-padded): ``k, v [N, H, L, K]``, ``valid [N, L]``,
+        ``pos [N, L]``, ``next_pos [N]`` (``L``: the longest document, at most ``window - 1`` when sliding)."""
         H, K = self.num_heads, self.head_dim
         T = x.shape[1]
         pos = positions_in_sequence(1, T, cu_seqlens, x.device)

@@ -199,7 +199,6 @@ class _DeltaRule(nn.Module, abc.ABC):
         o, S = memory_chunk(*xs, S0.to(dt), chunk=min(MEMORY_CHUNK, xs[0].shape[1]))  # decoding: chunk of 1
         return (repack(o, cu_seqlens) if cu_seqlens is not None else o), S
 
-
     def torch_step(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
         cu_seqlens: Tensor | None, dt: torch.dtype,
