@@ -1,4 +1,5 @@
-"""The decoding cache of :class:`models.KDNForCausalLM`, usable by ``transformers``' ``generate``."""
+"""The decoding caches of :class:`models.KDNForCausalLM`: :class:`KDNCache` (grows, as ``transformers``' ``generate``
+needs) and :class:`StaticKDNCache` (fixed buffers for :mod:`models.generation`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -67,3 +68,81 @@ class KDNCache(RecurrentCache):
         for state in self.layers.values():
             _map_tensors(state, count)
         return total
+
+
+def _copy_into(dst: Any, src: Any, rows: slice | None = None) -> None:
+    """Copy the tensors of ``src`` into the same-structured buffers ``dst`` (rows ``rows`` of dim 0 when given)."""
+    if isinstance(dst, Tensor):
+        target = dst if rows is None else dst[rows]
+        if target.data_ptr() != src.data_ptr() or target.shape != src.shape:
+            target.copy_(src)
+        return
+    for d, s in zip(dst, src):
+        _copy_into(d, s, rows)
+
+
+class StaticKDNCache(KDNCache):
+    """Fixed decoding buffers for ``batch_size`` rows, read and written in place by the one-token step (the addresses a
+    CUDA graph replays).
+
+    Recurrent layers keep their state's tensors (memories in FP32, conv windows) with ``batch_size`` rows; attention
+    layers a ring of ``ring_lengths[layer]`` slots (the window when sliding, the longest context when full):
+    ``k, v [batch_size, H, L, K]``, ``valid [batch_size, L]``, ``next_pos [batch_size]`` (each row's next RoPE
+    position) and ``cursor [1]`` (the slot the next token takes, modulo ``L``). :meth:`load` copies a prefill's
+    :class:`KDNCache` into the first rows (allocating the buffers on first use); the other rows are idle (zero state,
+    their outputs ignored).
+    """
+
+    static = True
+
+    def __init__(self, batch_size: int, ring_lengths: dict[int, int]) -> None:
+        super().__init__()
+        self.batch_size, self.ring_lengths = batch_size, dict(ring_lengths)
+
+    def update(self, layer_idx: int, **state: Any) -> None:
+        """Copy a layer's new state into its buffers (a tensor the step updated in place is left as it is)."""
+        buffers = self.layers.get(layer_idx)
+        if buffers is None:
+            raise ValueError(f"layer {layer_idx} has no static buffers yet: load a prefill (StaticKDNCache.load) "
+                             "before decoding")
+        for name, value in state.items():
+            _copy_into(buffers[name], value)
+
+    def load(self, prefill: KDNCache, rows: int) -> None:
+        """Reset every buffer and copy ``prefill`` (``rows`` sequences, batch on dim 0) into rows ``[0, rows)``."""
+        if rows > self.batch_size:
+            raise ValueError(f"a prefill of {rows} rows does not fit a static cache of {self.batch_size} rows")
+        for i, state in prefill.layers.items():
+            if "k" in state:
+                self._load_attention(i, state, rows)
+                continue
+            if i not in self.layers:
+                self.layers[i] = _map_tensors(
+                    state, lambda t: t.new_zeros(self.batch_size, *t.shape[1:]).contiguous())
+            buffers = self.layers[i]
+            _map_tensors(buffers, lambda t: t.zero_())
+            for name, value in state.items():
+                _copy_into(buffers[name], value, slice(0, rows))
+
+    def _load_attention(self, i: int, state: dict[str, Tensor], rows: int) -> None:
+        k = state["k"]
+        _, H, L, K = k.shape
+        ring = self.ring_lengths[i]
+        if L > ring:
+            raise ValueError(f"layer {i} keeps {L} past keys but its static ring holds {ring}: raise max_cache_len")
+        if i not in self.layers:
+            B = self.batch_size
+            self.layers[i] = {
+                "k": k.new_zeros(B, H, ring, K), "v": k.new_zeros(B, H, ring, K),
+                "valid": torch.zeros(B, ring, dtype=torch.bool, device=k.device),
+                "next_pos": torch.zeros(B, dtype=torch.long, device=k.device),
+                "cursor": torch.zeros(1, dtype=torch.long, device=k.device),
+            }
+        buf = self.layers[i]
+        for name in ("k", "v", "valid", "next_pos"):
+            buf[name].zero_()
+        buf["k"][:rows, :, :L] = k
+        buf["v"][:rows, :, :L] = state["v"]
+        buf["valid"][:rows, :L] = state["valid"]
+        buf["next_pos"][:rows] = state["next_pos"]
+        buf["cursor"].fill_(L)

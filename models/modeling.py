@@ -179,7 +179,8 @@ def shifted_labels(labels: Tensor, attention_mask: Tensor | None, cu_seqlens: Te
 
 
 class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
-    """Causal LM head over :class:`KDNModel`; ``generate()`` runs with a :class:`models.cache.KDNCache`."""
+    """Causal LM head over :class:`KDNModel`; ``generate()`` runs with a :class:`models.cache.KDNCache` in HF's loop,
+    or on CUDA through :mod:`models.generation` (static buffers, CUDA graphs)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
 
@@ -204,6 +205,30 @@ class KDNForCausalLM(KDNPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def generate(  # type: ignore[override]
+        self, inputs: Tensor | None = None, generation_config: object = None, logits_processor: object = None,
+        stopping_criteria: object = None, prefix_allowed_tokens_fn: object = None, synced_gpus: object = None,
+        assistant_model: object = None, streamer: object = None, negative_prompt_ids: object = None,
+        negative_prompt_attention_mask: object = None, custom_generate: object = None, *,
+        static_decode: bool | None = None, **kwargs: object,
+    ) -> object:
+        """HF's ``generate``; on CUDA (or with ``static_decode=True``) a request :func:`models.generation.generate`
+        serves (greedy or sampling, EOS, stop strings, stopping criteria) runs there instead: one packed prefill,
+        then a CUDA-graph-replayed one-token step over static buffers. ``static_decode=False``: always HF's loop."""
+        others = {"logits_processor": logits_processor, "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
+                  "synced_gpus": synced_gpus, "assistant_model": assistant_model, "streamer": streamer,
+                  "negative_prompt_ids": negative_prompt_ids,
+                  "negative_prompt_attention_mask": negative_prompt_attention_mask, "custom_generate": custom_generate}
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        if static_decode:
+            from models.generation import hf_generate
+
+            out = hf_generate(self, inputs, generation_config, stopping_criteria, kwargs, others)
+            if out is not None:
+                return out
+        return super().generate(inputs, generation_config, stopping_criteria=stopping_criteria, **others, **kwargs)
 
     def prepare_inputs_for_generation(
         self, input_ids: Tensor, cache: KDNCache | None = None, attention_mask: Tensor | None = None,

@@ -141,10 +141,13 @@ class _KalmanDelta(nn.Module):
         # a fresh sequence starts from a zero memory (None: the kernels skip it) and the learned prior
         state = last["recurrent"] if last is not None else (None, self.initial_uncertainty(n_seq))
         if decoding:  # one recurrent step
-            step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
             w = F.softplus(upcast(omega[:, 0])) if logits else omega[:, 0]
-            o, final = step(q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0], state,
-                            mu=self.mu(), validate=False)
+            args = (q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0])
+            if getattr(past_key_values, "static", False) and q.is_cuda and not torch.is_grad_enabled():
+                o, final = self.static_step(*args, state)
+            else:
+                step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
+                o, final = step(*args, state, mu=self.mu(), validate=False)
             o = o[:, None]
         else:
             if self.isotropic:
@@ -164,6 +167,21 @@ class _KalmanDelta(nn.Module):
                 past_key_values = RecurrentCache()
             past_key_values.update(self.layer_idx, recurrent=final, conv=conv)
         return self.front.output(o.to(x.dtype), p), beta_eff, past_key_values
+
+    def static_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
+                    state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One decoding token on CUDA for a static cache: the fused Triton step called directly (no validation, no
+        autograd), the memory ``S [B,H,K,V]`` (FP32) updated in place. ``q`` (scaled), ``k``, ``g``: ``[B,H,K]``; ``v``
+        ``[B,H,V]``; ``omega`` (after its softplus) and ``r`` as the step's. Returns ``o [B,H,V]`` in ``v``'s dtype and
+        ``(S, new uncertainty)``."""
+        from kdn.ops import fused_recurrent
+
+        mu = self.mu()
+        mu = mu.float() if isinstance(mu, Tensor) else torch.full((self.num_heads,), mu, device=q.device)
+        fn = (fused_recurrent.fused_recurrent_isotropic_kdn if self.isotropic
+              else fused_recurrent.fused_recurrent_diagonal_kdn)
+        o, final = fn(*(x[:, None] for x in (q, k, v, g, omega, r)), mu, state, inplace=True)
+        return o[:, 0].to(v.dtype), final
 
     def beta_eff(self, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, u0: Tensor) -> Tensor:
         """Effective write strength ``k^T kappa`` per token, ``[B, T, H]`` (ignores packing)."""

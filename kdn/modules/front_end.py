@@ -72,6 +72,15 @@ def positions_in_sequence(B: int, T: int, cu_seqlens: Tensor | None, device: tor
     return (pos[0] - starts[seq_id]).expand(B, T)
 
 
+def packed_conv_state(x: Tensor, cu_seqlens: Tensor, W: int) -> Tensor:
+    """The decoding cache of each packed sequence of ``x [1, T, D]``: its last ``W - 1`` inputs, zeros before its
+    first token, ``[N, D, W - 1]``."""
+    ends = cu_seqlens[1:].to(x.device)
+    idx = ends[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)  # [N, W-1]
+    inside = idx >= cu_seqlens[:-1].to(x.device)[:, None]
+    return (x[0, idx.clamp(min=0)] * inside[..., None].to(x.dtype)).transpose(1, 2).contiguous()
+
+
 class ShortConv(nn.Conv1d):
     """Causal depthwise conv (width ``W``) + SiLU over ``[B, T, D]``; weights as fla's ``[D, 1, W]``.
 
@@ -96,6 +105,8 @@ class ShortConv(nn.Conv1d):
             new_cache = None
             if output_final_state:  # the last W - 1 inputs, zeros before the start
                 new_cache = F.pad(x[:, -(W - 1):], (0, 0, max(W - 1 - T, 0), 0)).transpose(1, 2).contiguous()
+                if cu_seqlens is not None:
+                    new_cache = packed_conv_state(x, cu_seqlens, W)
             return y, new_cache
         hist = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
         xx = torch.cat([hist, x], 1)  # [B, W-1+T, D]
@@ -107,7 +118,10 @@ class ShortConv(nn.Conv1d):
             y = x * w[:, W - 1]
             for lag in range(1, W):
                 y = y + xx[:, W - 1 - lag: W - 1 - lag + T] * w[:, W - 1 - lag] * (pos >= lag)[..., None]
-        new_cache = xx[:, -(W - 1):].transpose(1, 2).contiguous() if output_final_state else None
+        new_cache = None
+        if output_final_state:
+            new_cache = (xx[:, -(W - 1):].transpose(1, 2).contiguous() if cu_seqlens is None
+                         else packed_conv_state(x, cu_seqlens, W))
         return F.silu(y), new_cache
 
 

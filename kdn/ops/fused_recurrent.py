@@ -67,11 +67,17 @@ def _fused_recurrent_kernel(
 
 def _fused_recurrent(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State,
-    isotropic: bool,
+    isotropic: bool, inplace: bool = False,
 ) -> tuple[Tensor, State]:
     B, T, H, K = k.shape
     V = v.shape[-1]
-    S = initial_state[0].float().contiguous().clone()
+    if inplace:
+        S = initial_state[0]
+        if S.dtype != torch.float32 or not S.is_contiguous():
+            raise ValueError(f"inplace=True updates the memory where it lies: it must be a contiguous FP32 tensor, got "
+                             f"{S.dtype}{'' if S.is_contiguous() else ' (not contiguous)'}; pass inplace=False")
+    else:
+        S = initial_state[0].float().contiguous().clone()
     unc = initial_state[1].float().contiguous()
     unc_out = torch.empty_like(unc)
     o = torch.empty(B, T, H, V, device=v.device, dtype=torch.float32)
@@ -85,7 +91,8 @@ def _fused_recurrent(
 
 
 def fused_recurrent_diagonal_kdn(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State, *,
+    inplace: bool = False,
 ) -> tuple[Tensor, State]:
     """Diagonal KDN token by token in one Triton kernel, without autograd.
 
@@ -93,20 +100,24 @@ def fused_recurrent_diagonal_kdn(
         q, k, g, omega: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]``; ``r``: ``[B,T,H]``; ``mu``: ``[H]``.
         initial_state: ``(S [B,H,K,V], p [B,H,K])``.
 
+        inplace: the new memory overwrites ``S`` (a contiguous FP32 tensor, as a static decoding cache holds it)
+            instead of a copy; the uncertainty always comes back in a new tensor.
+
     Returns:
-        ``o [B,T,H,V]`` (FP32) and the new state (FP32 copies; the inputs are not modified).
+        ``o [B,T,H,V]`` (FP32) and the new state (FP32 copies unless ``inplace``; then ``S`` itself is returned).
 
     Example::
 
         o, (S, p) = fused_recurrent_diagonal_kdn(q[:, None], k[:, None], v[:, None], g[:, None],
                                                  omega[:, None], r[:, None], mu, (S, p))
     """
-    return _fused_recurrent(q, k, v, g, omega, r, mu, initial_state, False)
+    return _fused_recurrent(q, k, v, g, omega, r, mu, initial_state, False, inplace)
 
 
 def fused_recurrent_isotropic_kdn(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, initial_state: State, *,
+    inplace: bool = False,
 ) -> tuple[Tensor, State]:
     """Isotropic KDN token by token in one Triton kernel: as :func:`fused_recurrent_diagonal_kdn` with
     ``omega [B,T,H]`` and ``initial_state = (S [B,H,K,V], b [B,H])``."""
-    return _fused_recurrent(q, k, v, g, omega, r, mu, initial_state, True)
+    return _fused_recurrent(q, k, v, g, omega, r, mu, initial_state, True, inplace)

@@ -1,7 +1,9 @@
 """Causal softmax attention with RoPE, full or sliding-window, on ``torch.nn.functional.scaled_dot_product_attention``.
 
 A sliding window of ``W`` lets a token see itself and the ``W - 1`` previous tokens of its sequence;
-the decoding cache then keeps only the last ``W - 1`` keys and values (bounded memory). Positions
+the decoding cache then keeps only the last ``W - 1`` keys and values (bounded memory). Packed prompts
+(``cu_seqlens``) prefill a cache from each document's own keys and values; a static cache
+(:class:`models.cache.StaticKDNCache`) decodes against fixed ring buffers. Positions
 count real tokens only, so a left-padded row gets the same positions as the unpadded sequence;
 padded keys are never attended. ``cu_seqlens`` restricts attention to each packed document and
 restarts positions at each document.
@@ -27,6 +29,21 @@ def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     xf = x.float()
     x0, x1 = xf[..., : K // 2], xf[..., K // 2:]
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
+
+
+def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Causal attention of one sequence within a window, ``q, k, v [B, H, n, K]``, by blocks of ``window`` queries:
+    each block reads the keys from ``window - 1`` before its first query to its last (masks of ``window x 2 window``,
+    never ``n x n``)."""
+    n = q.shape[2]
+    o = torch.empty_like(q)
+    for s in range(0, n, window):
+        e, lo = min(s + window, n), max(0, s - window + 1)
+        i = torch.arange(s, e, device=q.device)[:, None]
+        j = torch.arange(lo, e, device=q.device)[None, :]
+        band = (j <= i) & (i - j < window)
+        o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], attn_mask=band)
+    return o
 
 
 class Attention(nn.Module):
@@ -62,11 +79,18 @@ class Attention(nn.Module):
         valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         doc = None
+        if last is not None and "cursor" in last:  # a static cache (models.cache.StaticKDNCache): ring buffers
+            if T != 1 or cu_seqlens is not None or mask is not None:
+                raise ValueError("a static cache decodes one token per row (T = 1), without cu_seqlens or padding; "
+                                 "prefill with a KDNCache and load it into the static cache")
+            return self.static_step(x, last), None, past_key_values
         if cu_seqlens is not None:
-            if last is not None or use_cache:
-                raise ValueError("attention layers cannot decode packed sequences (cu_seqlens) with a cache; "
-                                 "use a padded batch with attention_mask for generation")
+            if last is not None:
+                raise ValueError("attention layers cannot continue packed sequences (cu_seqlens) from a cache; "
+                                 "prefill packed prompts from an empty cache, then decode a padded batch")
             check_cu_seqlens(cu_seqlens, T, B)
+            if use_cache:
+                return self.packed_prefill(x, cu_seqlens, past_key_values)
             pos = positions_in_sequence(B, T, cu_seqlens, x.device)
             doc = torch.searchsorted(cu_seqlens[1:].to(x.device), torch.arange(T, device=x.device), right=True)
             start = None
@@ -103,3 +127,62 @@ class Attention(nn.Module):
                 pos=k_pos[:, k_pos.shape[1] - keep:], valid=k_valid[:, k_valid.shape[1] - keep:],
                 next_pos=start + valid.long().sum(1))
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * K)), None, past_key_values
+
+    def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v [B, H, T, K]`` of ``x [B, T, d]`` at positions ``pos [B, T]`` (RoPE on ``q`` and ``k``)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
+        return q, k, self.v_proj(x).view(B, T, H, K).transpose(1, 2)
+
+    def packed_prefill(self, x: Tensor, cu_seqlens: Tensor, cache: RecurrentCache | None
+                       ) -> tuple[Tensor, None, RecurrentCache]:
+        """Packed prompts ``x [1, T, d]`` (``cu_seqlens [N+1]``) from an empty cache: attention within each document
+        (one SDPA call per document, by blocks past the window, never a ``[T, T]`` mask), and per document the keys
+        and values a decoding step needs, the latest last (left-padded): ``k, v [N, H, L, K]``, ``valid [N, L]``,
+        ``pos [N, L]``, ``next_pos [N]`` (``L``: the longest document, at most ``window - 1`` when sliding)."""
+        H, K = self.num_heads, self.head_dim
+        T = x.shape[1]
+        pos = positions_in_sequence(1, T, cu_seqlens, x.device)
+        q, k, v = self._qkv(x, pos)
+        offsets = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        o = torch.empty_like(q)
+        for a, b in zip(offsets, offsets[1:]):
+            n = b - a
+            if self.window is None or self.window >= n:
+                o[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                              is_causal=True)
+            else:
+                o[:, :, a:b] = sliding_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.window)
+        longest = max(lengths)
+        L = longest if self.window is None else min(longest, self.window - 1)
+        ends = cu_seqlens[1:].to(x.device)
+        idx = ends[:, None] - L + torch.arange(L, device=x.device)  # [N, L]: each document's last L tokens
+        valid = idx >= cu_seqlens[:-1].to(x.device)[:, None]
+        idx = idx.clamp(min=0)
+        if cache is None:
+            cache = RecurrentCache()
+        cache.update(self.layer_idx, k=k[0][:, idx].transpose(0, 1).contiguous(),
+                     v=v[0][:, idx].transpose(0, 1).contiguous(), pos=pos[0][idx] * valid, valid=valid,
+                     next_pos=torch.tensor(lengths, device=x.device))
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, H * K)), None, cache
+
+    def static_step(self, x: Tensor, state: dict[str, Tensor]) -> Tensor:
+        """One token per row, ``x [B, 1, d]``, against the ring buffers of a static cache: ``k, v [B, H, L, K]``,
+        ``valid [B, L]``, ``next_pos [B]`` and ``cursor [1]`` (the slot this token takes, modulo ``L``), updated in
+        place with no host sync (``L`` is the window when sliding, so the ring holds exactly the window)."""
+        B = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        pos = state["next_pos"][:, None]
+        q, k, v = self._qkv(x, pos)
+        L = state["k"].shape[2]
+        slot = state["cursor"].remainder(L)
+        state["k"].index_copy_(2, slot, k)
+        state["v"].index_copy_(2, slot, v)
+        state["valid"].index_fill_(1, slot, True)
+        state["next_pos"].add_(1)
+        state["cursor"].add_(1)
+        o = F.scaled_dot_product_attention(q, state["k"], state["v"], attn_mask=state["valid"][:, None, None])
+        return self.o_proj(o.transpose(1, 2).reshape(B, 1, H * K))

@@ -153,7 +153,10 @@ class _DeltaRule(nn.Module, abc.ABC):
         g = self.front.log_retention(p) if self.gate != "none" else None
         if mask is not None and g is not None:  # padded tokens are identity steps: no key, no decay
             g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
-        fla = self.resolve_backend(x.device) == "fla"
+        # one decoding token runs delta_step on every device: a few small kernels and no host sync (fla's chunk
+        # kernels, the safe-gate check and the chunked scan's span test read host values), so a CUDA graph captures it
+        decoding = T == 1 and last is not None and cu_seqlens is None
+        fla = self.resolve_backend(x.device) == "fla" and not decoding
         check = None
         if fla and self.checks_safe_gate:  # read in fla_call, once write_terms' kernels are queued
             from kdn.ops.triton.safe_gate import safe_gate
@@ -174,7 +177,8 @@ class _DeltaRule(nn.Module, abc.ABC):
                 n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
                 S0 = x.new_zeros(n_seq, H, K, self.front.V, dtype=dt)
             with torch.autocast(x.device.type, enabled=False):  # the scan runs in FP32 even under autocast
-                o, S = self.torch_call(q, k, v, g, terms, S0, cu_seqlens, dt)
+                call = self.torch_step if decoding else self.torch_call
+                o, S = call(q, k, v, g, terms, S0, cu_seqlens, dt)
         beta_eff = self.effective_strength(k.float(), terms) if output_beta_eff else None
         if use_cache:
             if past_key_values is None:
@@ -197,6 +201,29 @@ class _DeltaRule(nn.Module, abc.ABC):
         xs = unpack_all([q.to(dt) * K ** -0.5, r, kappa, u, g.to(dt)], [0.0] * 5, cu_seqlens)
         o, S = memory_chunk(*xs, S0.to(dt), chunk=min(MEMORY_CHUNK, xs[0].shape[1]))  # decoding: chunk of 1
         return (repack(o, cu_seqlens) if cu_seqlens is not None else o), S
+
+    def torch_step(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor,
+        cu_seqlens: Tensor | None, dt: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        """One decoding token (``T = 1``, arguments as :meth:`torch_call`), in FP32 (float64 for float64 inputs)."""
+        k, v = k.to(dt), v.to(dt)
+        r, kappa, u = self.rule(k, v, {n: t.to(dt) for n, t in terms.items()})
+        if g is not None:
+            g = g.to(dt)[:, 0]
+            g = g[..., None] if g.dim() == 2 else g
+        o, S = delta_step(q.to(dt)[:, 0] * self.head_dim ** -0.5, r[:, 0], kappa[:, 0], u[:, 0], g, S0.to(dt))
+        return o[:, None], S
+
+
+def delta_step(q: Tensor, r: Tensor, kappa: Tensor, u: Tensor, g: Tensor | None, S: Tensor) -> tuple[Tensor, Tensor]:
+    """One token of ``S' = (I - kappa r^T) D S + kappa u^T``, ``o = S'^T q``: ``q, r, kappa [B, H, K]``,
+    ``u [B, H, V]``, ``g = log D`` as ``[B, H, K]`` or ``[B, H, 1]`` (``None``: no decay), ``S [B, H, K, V]``.
+    Returns ``o [B, H, V]`` and ``S'``."""
+    if g is not None:
+        S = S * g.exp()[..., None]
+    S = S + kappa[..., None] * (u - (r[..., None] * S).sum(-2))[..., None, :]
+    return (q[..., None] * S).sum(-2), S
 
 
 class _ScalarBetaRule(_DeltaRule):
