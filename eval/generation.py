@@ -1,9 +1,11 @@
 """Batched greedy decoding through a model's Hugging Face interface and its decoding cache.
 
-A batch of prompts is left-padded and prefilled once (``model(input_ids, attention_mask=..., use_cache=True)``);
-every later step feeds only the newest token with the cache (``past_key_values``) and the grown padding mask, so
-the prefix is never run again. Prompts are batched longest first, which keeps padding small and shows the slowest
-batches (and any out-of-memory) at the start.
+A batch of prompts is left-padded and prefilled once. Our models (:class:`models.KDNForCausalLM`, unless a subclass
+redefines ``forward``) decode through :func:`models.generate`: a packed prefill, then static one-token steps
+(captured in a CUDA graph on the GPU). Any other model with Hugging Face's interface decodes through its cache:
+every step feeds only the newest token (``past_key_values``) and the grown padding mask. Either way the prefix is
+never run again. Prompts are batched longest first, which keeps padding small and shows the slowest batches (and
+any out-of-memory) at the start.
 """
 from __future__ import annotations
 
@@ -40,6 +42,16 @@ def greedy_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
     (at most ``max_new_tokens`` tokens). Decoding ends once every row has stopped."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
+    from models import KDNForCausalLM, generate
+
+    if isinstance(model, KDNForCausalLM) and type(model).forward is KDNForCausalLM.forward:
+        gen = generate(model, ids, max_new_tokens, attention_mask=mask, eos_token_id=sorted(stop_ids),
+                       pad_token_id=pad_id)
+        cut = []
+        for row, n in zip(gen.sequences[:, ids.shape[1]:].tolist(), gen.lengths.tolist()):
+            row = row[:n]
+            cut.append(row[: next((j for j, t in enumerate(row) if t in stop_ids), n)])
+        return cut
     B = ids.shape[0]
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
     cache = _cache_of(out)

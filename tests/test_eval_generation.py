@@ -37,11 +37,13 @@ def test_batched_generation_equals_batch_size_1_and_the_uncached_reference(mixer
 def test_the_prefix_runs_once_and_rows_stop_at_their_stop_token() -> None:
     torch.manual_seed(0)
     model = models.build_model(models.model_config("toy", "kdn_diag", vocab_size=300)).eval()
-    widths: list[int] = []
-    model.register_forward_pre_hook(lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    steps: list[int] = []  # models.generate: one packed prefill of the backbone, then one-token steps of the LM
+    backbone_calls: list[int] = []
+    model.register_forward_pre_hook(lambda mod, args, kw: steps.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    model.model.register_forward_pre_hook(lambda mod, args, kw: backbone_calls.append(1), with_kwargs=True)
     prompts = [[5, 6, 7, 8], [9, 10]]
     free = greedy_generate(model, prompts, max_new_tokens=5, stop_ids={299}, pad_id=0, batch_size=2)
-    assert widths == [4, 1, 1, 1, 1] and all(len(x) == 5 for x in free)
+    assert steps == [1, 1, 1, 1] and len(backbone_calls) == 5 and all(len(x) == 5 for x in free)
     stop = free[0][2]  # stop the first row at its third token
     cut = greedy_generate(model, prompts, max_new_tokens=5, stop_ids={stop}, pad_id=0, batch_size=2)
     assert cut[0] == free[0][:free[0].index(stop)]
