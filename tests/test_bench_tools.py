@@ -134,12 +134,13 @@ def test_merge_joins_sweeps_of_two_gpus(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_gpu_pair_runs_both_gpus_then_both_together(tmp_path: Path) -> None:
+    # the limits only bound a hang: a loaded CI machine imports torch, triton and fla slowly
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none"),
-           "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PAIR_S": "120", "PAIR1_S": "60"}
+           "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PAIR_S": "400", "PAIR1_S": "200"}
     proc = subprocess.run(["bash", "bench/gpu_pair.sh", "throughput=--help ; bench=norm_throughput --help",
                            "throughput=--help ; nope",
                            " env=BENCH_ARGS=--help ; throughput "],
-                          env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     out = tmp_path / "out"
     assert proc.returncode == 2, proc.stderr  # the unknown stage of GPU 1's group
     gpu0 = (out / "gpu0.log").read_text()

@@ -16,6 +16,7 @@ from eval.tables import TABLES, SettingsMismatch, build_table, csv_text, find_ru
 from eval.tables.__main__ import main
 from eval.tables.figures import loss_curves, throughput_figure
 from eval.tables.specs import RETRIEVAL_TASKS, RULER_CELLS
+from models.sizes import GDN2_AUTHORS_LAYOUT
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torn last line")
 LM_KEYS = ("wiki_ppl", "lmb_ppl", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge")
@@ -32,7 +33,8 @@ def write_run(root: Path, name: str, *, size: str = "750m", mixer: str = "kda", 
     kdn = mixer.startswith("kdn")
     cfg = {"name": name, "seed": seed, "model": {"size": size, "overrides": {}},
            "mixer": {"name": mixer, "mu": mu or ("dk" if kdn else None), "noise": noise or ("learned" if kdn else None),
-                     "alpha_param": "kda" if kdn else None, "kwargs": {}},
+                     "alpha_param": "kda" if kdn else None,
+                     "kwargs": dict(GDN2_AUTHORS_LAYOUT) if mixer == "gdn2" else {}},  # as the GDN-2 presets
            "backbone": {"pattern": pattern, "window": None}, "data": {"seed": data_seed, "seq_len": 4096}}
     OmegaConf.save(OmegaConf.create(cfg), run / "config.yaml")
     model = {"run_dir": str(run), "mixer": mixer, "size": size, "pattern": pattern, "seed": seed}
