@@ -38,35 +38,47 @@ OUT = Path(__file__).parent / "results" / "eval_speed.json"
 
 
 class ForwardClock:
-    """Wall time of a model's forwards, split into prefill (more than one token) and decode (one token)."""
+    """Wall time of a model's prefills (backbone forwards over more than one token) and, inside :meth:`part`, the
+    rest: the decoding steps. These are CUDA-graph replays under :func:`models.generate`, which no forward hook
+    sees, so decode time is a block's wall time less its prefills."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.device, self.totals, self._t0 = device, {"prefill_s": 0.0, "decode_s": 0.0}, 0.0
-        self._width = 0
-        model.register_forward_pre_hook(self._pre, with_kwargs=True)
-        model.register_forward_hook(self._post, with_kwargs=True)
+        self.device, self.prefill_s, self._t0 = device, 0.0, None
+        backbone = getattr(model, "model", model)
+        backbone.register_forward_pre_hook(self._pre, with_kwargs=True)
+        backbone.register_forward_hook(self._post, with_kwargs=True)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _pre(self, mod: Any, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self._width = ids.shape[1] if ids is not None else 1
-        self._sync()
-        self._t0 = time.perf_counter()
+        x = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+                 args[0] if args else None)
+        self._t0 = None
+        if x is not None and x.shape[1] > 1 and not self._capturing():
+            self._sync()
+            self._t0 = time.perf_counter()
 
     def _post(self, mod: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        self._sync()
-        self.totals["prefill_s" if self._width > 1 else "decode_s"] += time.perf_counter() - self._t0
+        if self._t0 is not None:
+            self._sync()
+            self.prefill_s += time.perf_counter() - self._t0
+            self._t0 = None
 
     @contextmanager
     def part(self, into: dict[str, float]) -> Iterator[None]:
-        """Add the forward time inside the block to ``into``."""
-        before = dict(self.totals)
+        """Add the block's prefill time and its other (decode) time to ``into``."""
+        before, t0 = self.prefill_s, time.perf_counter()
+        self._sync()
         yield
-        for k, v in self.totals.items():
-            into[k] = into.get(k, 0.0) + v - before[k]
+        self._sync()
+        prefill = self.prefill_s - before
+        into["prefill_s"] = into.get("prefill_s", 0.0) + prefill
+        into["decode_s"] = into.get("decode_s", 0.0) + time.perf_counter() - t0 - prefill
 
 
 def _filler(tok: Any, n: int, rng: random.Random) -> list[int]:
