@@ -26,7 +26,8 @@ import torch
 import models
 from data import load_tokenizer
 from eval.generation import greedy_generate
-from eval.results import device_name, versions, write_json_atomic
+from eval.results import device_name, versions
+from trainer.checkpoint import write_json_atomic
 
 # task -> (documents, choices per document, context tokens, continuation tokens); counts of the splits lm-eval
 # scores, lengths approximate. wikitext: 62 documents of ~5,700 tokens, scored in rolling windows.

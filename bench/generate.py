@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import subprocess
 import time
@@ -31,6 +29,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from trainer.checkpoint import write_json_atomic
 
 HBM_BYTES_PER_S = 4.3e12
 OUT = Path(__file__).parent / "results" / "generate.json"
@@ -60,13 +60,6 @@ def header() -> dict[str, object]:
     return {"device": torch.cuda.get_device_name(), "versions": versions,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "dtype": "bfloat16", "weights": "random", "hbm_bytes_per_s": HBM_BYTES_PER_S}
-
-
-def write_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -329,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             r["case_seconds"] = time.perf_counter() - t0
         result["rows"] += rows
-        write_atomic(args.out, result)
+        write_json_atomic(args.out, result)
         torch.cuda.empty_cache()
     report(result["rows"])
     print(f"wrote {args.out}")

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -25,14 +24,6 @@ SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 NUMBER_SETTINGS = ("max_length", "samples_per_cell", "seed", "tokenizer_sha256", "haystack", "max_new_tokens",
                    "context_tokens", "limit", "split", "seq_len", "shards", "n_seqs")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write ``payload`` as JSON to ``path`` through a temp file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=f".{path.name}.", suffix=".tmp") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(f.name, path)
 
 
 def git_commit(root: Path = ROOT) -> str | None:
@@ -64,15 +55,6 @@ def device_name(device: torch.device | str) -> str:
     """``"NVIDIA H200"``-style name of a CUDA device, else ``"cpu"``."""
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def sha256_file(path: str | Path) -> str:
-    """SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def sha256_text(text: str) -> str:

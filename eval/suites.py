@@ -28,7 +28,8 @@ from eval.harness import (
     task_manager,
 )
 from eval.model_dir import Target, check_context
-from eval.results import SampleLog, device_name, load_previous, suite_payload, write_json_atomic
+from eval.results import SampleLog, device_name, load_previous, suite_payload
+from trainer.checkpoint import write_json_atomic
 
 log = logging.getLogger("evaluate")
 RETRIEVAL_TASKS = ("swde", "fda", "squad", "triviaqa", "nq", "drop")

@@ -11,7 +11,6 @@ newest intact one is used. Only the newest ``keep_last`` are kept, never deletin
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,8 @@ from typing import Any
 
 from accelerate import Accelerator
 from torch import nn
+
+from data.shards import sha256_file
 
 STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"
@@ -45,7 +46,8 @@ class TrainState:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temp file, an fsync and a rename."""
+    """Write ``obj`` as JSON to ``path`` (its folder made if needed) through a temp file, an fsync and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(obj, indent=1))
@@ -54,18 +56,10 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_all(paths: list[Path]) -> list[str]:
     """SHA-256 of each file, several files at once (hashlib releases the GIL: model and optimiser in parallel)."""
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(sha256_file, paths))
 
 
 def write_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
