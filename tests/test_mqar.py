@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.mqar import (
+    ALL_MIXERS,
     IGNORE,
     MixerChoice,
     MQARSetting,
@@ -21,9 +22,11 @@ from eval.mqar import (
     load_results,
     model_config,
     parse_overrides,
+    run_grid,
     state_elements,
     summarize,
     table,
+    train_job,
     write_report,
 )
 from eval.mqar.run import header
@@ -208,5 +211,42 @@ def test_attention_loss_decreases(one_thread) -> None:
 @pytest.mark.slow
 def test_attention_learns_mqar(one_thread) -> None:
     """A two-layer width-64 attention model solves a small-vocabulary MQAR (32 tokens, 4 pairs) on the CPU."""
-    _, _, acc = _train_attention(400, MQARSetting(32, 4, vocab_size=48), 3e-3)
+    _, _, acc = _train_attention(800, MQARSetting(32, 4, vocab_size=48), 3e-3)
     assert acc > 0.9
+
+
+def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
+    argv = ["mixers=kdn_diag/mu=1,attn", "widths=64", "settings=32x4", "lrs=3e-3", "train_examples=64",
+            "valid_examples=32", "test_examples=32", "batch_size=32", "vocab_size=48", f"out={tmp_path}",
+            "preset=cpu"]
+    cfg, _ = parse_overrides(argv)
+    lines: list[str] = []
+    records = run_grid(cfg, log=lines.append)
+    assert "2 to run" in lines[0] and len(records) == 2
+    by = {r["mixer"]: r for r in records}
+    assert by["kdn_diag/mu=1"]["steps"] == 2 and by["kdn_diag/mu=1"]["state"] == 2 * (64 * 64 + 64)
+    assert all(0.0 <= r["test_acc"] <= 1.0 and r["final_loss"] > 0 for r in records)
+    assert len(list((tmp_path / "jobs").glob("*.json"))) == 2
+    again = run_grid(cfg, log=lines.append)
+    assert "2 stored, 0 to run" in lines[-1] and sorted(r["test_acc"] for r in again) == sorted(
+        r["test_acc"] for r in records)
+    cfg2, _ = parse_overrides([*argv, "train_examples=96"])  # another budget: rerun, not reuse
+    run_grid(cfg2, log=lines.append)
+    assert "0 stored, 2 to run" in lines[-3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_every_mixer_trains_on_cuda(mixer: str) -> None:
+    """Two bf16 steps of each mixer's backbone on CUDA, and the answer-only logits equal the full model's there."""
+    budget = parse_overrides(["preset=smoke", "train_examples=128", "valid_examples=64", "test_examples=64"])[0]
+    setting = MQARSetting(128, 8)
+    rec = train_job(MixerChoice.parse(mixer), 64, setting, 2e-3, 0, budget.budget(setting), torch.device("cuda"))
+    assert rec["steps"] == 2 and not rec["diverged"] and 0 < rec["final_loss"] < 20
+    model = build_model(model_config(MixerChoice.parse(mixer), 64, 64, 8192)).cuda().eval()
+    x, y = generate(setting, 4, seed=0)
+    x, y = x.cuda(), y.cuda()
+    with torch.no_grad():
+        sel, _ = answer_logits(model, x, y)
+        ref = model(x).logits[y != IGNORE]
+    assert (sel.float() - ref.float()).norm() / ref.float().norm() < 1e-3

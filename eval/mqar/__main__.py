@@ -25,13 +25,15 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     records = run_grid(cfg)
-    data = {**header(cfg, time.perf_counter() - t0), "rows": summarize(records, cfg),
+    data = {**header(cfg, time.perf_counter() - t0), "jobs_wall_s": sum(r["wall_s"] for r in records),
+            "rows": summarize(records, cfg),
             "jobs": sorted(({k: v for k, v in r.items() if k != "identity"} for r in records),
                            key=lambda r: (r["setting"], r["mixer"], r["width"], r["lr"], r["seed"]))}
     write_json(Path(cfg.results), data)
     md, png = write_report(data, cfg.results)
     print(table(data))
-    print(f"mqar: {len(records)} jobs in {data['wall_s']:.0f}s; wrote {cfg.results}, {md} and {png}")
+    print(f"mqar: {len(records)} jobs in {data['wall_s']:.0f}s (jobs' own times: {data['jobs_wall_s']:.0f}s)")
+    print(f"mqar: wrote {cfg.results}, {md} and {png}")
 
 
 if __name__ == "__main__":
