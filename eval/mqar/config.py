@@ -52,9 +52,11 @@ class MQARConfig:
     results: str = ""
 
     def setting_objects(self) -> list[MQARSetting]:
+        """``settings`` parsed (raises on a malformed or impossible one)."""
         return [MQARSetting.parse(s, self.vocab_size, self.power_a) for s in self.settings]
 
     def mixer_choices(self) -> list[MixerChoice]:
+        """``mixers`` parsed (raises on an unknown mixer or option)."""
         return [MixerChoice.parse(m) for m in self.mixers]
 
     def budget(self, setting: MQARSetting) -> Budget:

@@ -14,6 +14,7 @@ fixed, finite set of examples that needs no file and reads the same on any devic
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -122,7 +123,7 @@ class MQARSplit:
         """Block ``j``: ``inputs [block, T]``, ``labels [block, T]``."""
         return generate(self.setting, self.block, block_seed(self.seed, self.split, self.setting, j))
 
-    def batches(self, epoch: int = 0, shuffle: bool = False):
+    def batches(self, epoch: int = 0, shuffle: bool = False) -> Iterator[tuple[Tensor, Tensor]]:
         """Every block once, in order or in the order of ``(seed, epoch)``."""
         order = range(self.num_blocks)
         if shuffle:

@@ -22,6 +22,8 @@ from trainer.optim import build_optimizer, build_scheduler
 
 STRING_KWARGS = ("mu", "noise", "alpha_param", "memory", "backend")
 """Mixer options kept as strings when parsed from ``name/key=value`` (``mu=1`` is the choice ``"1"``)."""
+CHECK_EVERY = 50
+"""Steps between checks that the loss is finite (a divergence stops the job within this many steps)."""
 
 
 @dataclass(frozen=True)
@@ -153,31 +155,27 @@ def train_job(choice: MixerChoice, width: int, setting: MQARSetting, lr: float, 
     optimizer = build_optimizer(model, lr=lr, betas=budget.betas, weight_decay=budget.weight_decay, eps=budget.eps)
     scheduler = build_scheduler(optimizer, warmup_steps=max(1, round(budget.warmup_frac * total)),
                                 total_steps=total, min_ratio=budget.min_lr_ratio)
-    step, diverged, losses = 0, False, []
+    step, diverged, final_loss, window = 0, False, math.nan, []
     model.train()
-    for epoch in range(budget.epochs):
-        for inputs, labels in train.batches(epoch, shuffle=True):
-            with autocast(device):
-                logits, target = answer_logits(model, inputs.to(device, non_blocking=True),
-                                               labels.to(device, non_blocking=True))
-            loss = F.cross_entropy(logits.float(), target)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)
-            losses.append(loss.detach())
-            if len(losses) == 50 or step + 1 == total:
-                stacked = torch.stack(losses)
-                if not (torch.isfinite(stacked).all() and torch.isfinite(grad_norm)):
-                    diverged = True
-                losses = [stacked[-1]]
+    batches = (b for epoch in range(budget.epochs) for b in train.batches(epoch, shuffle=True))
+    for inputs, labels in batches:
+        with autocast(device):
+            logits, target = answer_logits(model, inputs.to(device, non_blocking=True),
+                                           labels.to(device, non_blocking=True))
+        loss = F.cross_entropy(logits.float(), target)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)
+        window.append(loss.detach())
+        if len(window) == CHECK_EVERY or step + 1 == total:  # one host sync per CHECK_EVERY steps
+            recent = torch.stack(window)
+            diverged = not bool(torch.isfinite(recent).all() and torch.isfinite(grad_norm))
+            final_loss, window = float(recent[-1]), []
             if diverged:
                 break
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-        if diverged:
-            break
-    final_loss = float(losses[-1]) if losses else math.nan
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
     train_s = time.perf_counter() - t0
     valid_acc, test_acc = accuracy(model, valid, device), accuracy(model, test, device)
     state, recurrent = state_elements(cfg, setting.seq_len)
