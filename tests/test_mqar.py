@@ -221,13 +221,13 @@ def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
             "preset=cpu"]
     cfg, _ = parse_overrides(argv)
     lines: list[str] = []
-    records = run_grid(cfg, log=lines.append)
-    assert "2 to run" in lines[0] and len(records) == 2
+    records, failed = run_grid(cfg, log=lines.append)
+    assert "2 to run" in lines[0] and len(records) == 2 and failed == []
     by = {r["mixer"]: r for r in records}
     assert by["kdn_diag/mu=1"]["steps"] == 2 and by["kdn_diag/mu=1"]["state"] == 2 * (64 * 64 + 64)
     assert all(0.0 <= r["test_acc"] <= 1.0 and r["final_loss"] > 0 for r in records)
     assert len(list((tmp_path / "jobs").glob("*.json"))) == 2
-    again = run_grid(cfg, log=lines.append)
+    again, _ = run_grid(cfg, log=lines.append)
     assert "2 stored, 0 to run" in lines[-1] and sorted(r["test_acc"] for r in again) == sorted(
         r["test_acc"] for r in records)
     cfg2, _ = parse_overrides([*argv, "train_examples=96"])  # another budget: rerun, not reuse
@@ -250,3 +250,11 @@ def test_every_mixer_trains_on_cuda(mixer: str) -> None:
         sel, _ = answer_logits(model, x, y)
         ref = model(x).logits[y != IGNORE]
     assert (sel.float() - ref.float()).norm() / ref.float().norm() < 1e-3
+
+
+def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:
+    cfg, _ = parse_overrides(["mixers=attn/window=0", "widths=64", "settings=32x4", "lrs=1e-3", "train_examples=32",
+                              "batch_size=32", f"out={tmp_path}", "preset=cpu"])
+    records, failed = run_grid(cfg, log=lambda _: None)
+    assert records == [] and len(failed) == 1 and "window" in failed[0]["error"]
+    assert not list(tmp_path.glob("jobs/*.json"))

@@ -92,45 +92,51 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _run_one(args: tuple[Job, str, str, int]) -> dict[str, Any]:
-    """Worker: train ``job`` on ``device``, store and return its record."""
+    """Worker: train ``job`` on ``device``, store and return its record; a job that raises returns
+    ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
     job, device, out, threads = args
     torch.set_num_threads(threads)
-    record = train_job(job.mixer, job.width, job.setting, job.lr, job.seed, job.budget, torch.device(device))
+    try:
+        record = train_job(job.mixer, job.width, job.setting, job.lr, job.seed, job.budget, torch.device(device))
+    except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
+        return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
     record["identity"] = job.identity()
     write_json(Path(out) / "jobs" / f"{job.name}.json", record)
     return record
 
 
-def run_grid(cfg: MQARConfig, log: Any = print) -> list[dict[str, Any]]:
-    """Run every job of ``cfg`` not already stored under ``cfg.out``; returns all records of the grid."""
+def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Run every job of ``cfg`` not already stored under ``cfg.out``. Returns all records of the grid and the jobs
+    that failed (``{"job", "error"}``)."""
     device = resolve_device(cfg.device)
     jobs = build_jobs(cfg)
     out = Path(cfg.out)
-    records, todo = [], []
+    records, failed, todo = [], [], []
     for job in jobs:
         done = load_done(out / "jobs" / f"{job.name}.json", job)
         (records.append(done) if done is not None else todo.append(job))
-    workers = cfg.workers or (8 if device.type == "cuda" else 1)
-    log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with "
-        f"{min(workers, max(1, len(todo)))} worker(s)")
+    workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
+    log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with {workers} worker(s)")
     args = [(job, str(device), str(out), cfg.threads) for job in todo]
     t0 = time.perf_counter()
-    if workers == 1 or len(todo) <= 1:
-        results = map(_run_one, args)
-    else:
-        pool = torch.multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))
-        results = pool.imap_unordered(_run_one, args)
+    pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
     try:
+        results = map(_run_one, args) if pool is None else pool.imap_unordered(_run_one, args)
         for i, rec in enumerate(results, 1):
+            head = f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s]"
+            if "error" in rec:
+                failed.append(rec)
+                log(f"{head} {rec['job']} FAILED: {rec['error']}")
+                continue
             records.append(rec)
-            log(f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s] {rec['setting']} {rec['mixer']} d{rec['width']} "
-                f"lr {rec['lr']:g} seed {rec['seed']}: test {rec['test_acc']:.3f} valid {rec['valid_acc']:.3f} "
-                f"loss {rec['final_loss']:.3f}{' (diverged)' if rec['diverged'] else ''} ({rec['wall_s']:.0f}s)")
+            log(f"{head} {rec['setting']} {rec['mixer']} d{rec['width']} lr {rec['lr']:g} seed {rec['seed']}: "
+                f"test {rec['test_acc']:.3f} valid {rec['valid_acc']:.3f} loss {rec['final_loss']:.3f}"
+                f"{' (diverged)' if rec['diverged'] else ''} ({rec['wall_s']:.0f}s)")
     finally:
-        if workers > 1 and len(todo) > 1:
+        if pool is not None:
             pool.close()
             pool.join()
-    return records
+    return records, failed
 
 
 def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, Any]]:
