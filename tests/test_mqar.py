@@ -29,7 +29,7 @@ from eval.mqar import (
     train_job,
     write_report,
 )
-from eval.mqar.run import header
+from eval.mqar.run import git_commit, header
 from models import build_model
 from trainer.optim import build_optimizer, build_scheduler
 
@@ -176,7 +176,7 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     assert abs(r["test_acc_mean"] - (0.8 + 0.005 + 0.0064 - 0.02)) < 1e-9
     assert abs(r["test_acc_std"] - 0.01 / 2 ** 0.5) < 1e-9
     assert by[("2048x256", "attn", 128)]["best_lr"] == 1e-3
-    data = {**header(cfg, 1.0), "rows": rows}
+    data = {**header(cfg, 1.0, git_commit()), "rows": rows}
     path = tmp_path / "mqar.json"
     path.write_text(json.dumps(data))
     md, png = write_report(load_results(path), path)

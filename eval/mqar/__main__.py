@@ -15,7 +15,7 @@ import torch
 
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
-from eval.mqar.run import header, run_grid, summarize, write_json
+from eval.mqar.run import git_commit, header, run_grid, summarize, write_json
 
 
 def main(argv: list[str]) -> None:
@@ -31,9 +31,9 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         raise SystemExit(f"eval.mqar: {err}") from None
     torch.set_num_threads(cfg.threads)
-    t0 = time.perf_counter()
+    commit, t0 = git_commit(), time.perf_counter()
     records, failed = run_grid(cfg)
-    data = {**header(cfg, time.perf_counter() - t0), "jobs_wall_s": sum(r["wall_s"] for r in records),
+    data = {**header(cfg, time.perf_counter() - t0, commit), "jobs_wall_s": sum(r["wall_s"] for r in records),
             "failed_jobs": failed,
             "rows": summarize(records, cfg),
             "jobs": sorted(({k: v for k, v in r.items() if k != "identity"} for r in records),

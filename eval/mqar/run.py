@@ -91,23 +91,23 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _run_one(args: tuple[Job, str, str, int]) -> dict[str, Any]:
+def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
     """Worker: train ``job`` on ``device``, store and return its record; a job that raises returns
     ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
-    job, device, out, threads = args
+    job, device, out, threads, commit = args
     torch.set_num_threads(threads)
     try:
         record = train_job(job.mixer, job.width, job.setting, job.lr, job.seed, job.budget, torch.device(device))
     except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
         return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
-    record["identity"] = job.identity()
+    record["identity"], record["git_commit"] = job.identity(), commit
     write_json(Path(out) / "jobs" / f"{job.name}.json", record)
     return record
 
 
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Run every job of ``cfg`` not already stored under ``cfg.out``. Returns all records of the grid and the jobs
-    that failed (``{"job", "error"}``)."""
+    """Run every job of ``cfg`` not already stored under ``cfg.out`` (each record keeps the commit it ran at).
+    Returns all records of the grid and the jobs that failed (``{"job", "error"}``)."""
     device = resolve_device(cfg.device)
     jobs = build_jobs(cfg)
     out = Path(cfg.out)
@@ -117,7 +117,8 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         (records.append(done) if done is not None else todo.append(job))
     workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
     log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with {workers} worker(s)")
-    args = [(job, str(device), str(out), cfg.threads) for job in todo]
+    commit = git_commit()
+    args = [(job, str(device), str(out), cfg.threads, commit) for job in todo]
     t0 = time.perf_counter()
     pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
     try:
@@ -164,7 +165,8 @@ def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, 
     return rows
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """``HEAD`` of the working directory's repository, ``+dirty`` with uncommitted changes; ``None`` outside one."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -174,8 +176,8 @@ def _git_commit() -> str | None:
         return None
 
 
-def header(cfg: MQARConfig, wall_s: float) -> dict[str, Any]:
-    """Device, versions, date, commit, command and every setting of the run."""
+def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]:
+    """Device, versions, date, ``commit`` (read when the run starts), command and every setting of the run."""
     import fla
     import transformers
 
@@ -188,7 +190,7 @@ def header(cfg: MQARConfig, wall_s: float) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     return {
         "schema": SCHEMA, "benchmark": "mqar", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"), "git_commit": _git_commit(), "command": " ".join(["python -m eval.mqar",
+            timespec="seconds"), "git_commit": commit, "command": " ".join(["python -m eval.mqar",
                                                                                  *sys.argv[1:]]),
         "device": {"type": device.type, "name": name, "cpu_count": os.cpu_count()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
