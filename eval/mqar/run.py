@@ -114,7 +114,10 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     records, failed, todo = [], [], []
     for job in jobs:
         done = load_done(out / "jobs" / f"{job.name}.json", job)
-        (records.append(done) if done is not None else todo.append(job))
+        if done is None:
+            todo.append(job)
+        else:
+            records.append(done)
     workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
     log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with {workers} worker(s)")
     commit = git_commit()
