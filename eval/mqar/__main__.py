@@ -1,0 +1,52 @@
+"""``python -m eval.mqar [key=value ...]``: train the MQAR grid, then write the results JSON, table and plot.
+
+Keys are the fields of :class:`eval.mqar.config.MQARConfig` (lists comma-separated), e.g.
+``python -m eval.mqar mixers=kdn_diag,kda widths=64 settings=64x4 seeds=0,1,2``; ``preset=smoke`` (or ``--quick``)
+runs every mixer with a tenth of the steps.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
+from eval.mqar.report import table, write_report
+from eval.mqar.run import git_commit, header, run_grid, summarize, write_json
+
+
+def main(argv: list[str]) -> None:
+    if {"-h", "--help", "help"} & set(argv):
+        defaults = MQARConfig()
+        print(__doc__)
+        print("keys (defaults of preset=full; presets: " + ", ".join(PRESETS) + "):")
+        for f in fields(MQARConfig):
+            print(f"  {f.name}={getattr(defaults, f.name)}")
+        return
+    try:
+        cfg, _ = parse_overrides(argv)
+    except ValueError as err:
+        raise SystemExit(f"eval.mqar: {err}") from None
+    torch.set_num_threads(cfg.threads)
+    commit, t0 = git_commit(), time.perf_counter()
+    records, failed = run_grid(cfg)
+    data = {**header(cfg, time.perf_counter() - t0, commit), "jobs_wall_s": sum(r["wall_s"] for r in records),
+            "failed_jobs": failed,
+            "rows": summarize(records, cfg),
+            "jobs": sorted(({k: v for k, v in r.items() if k != "identity"} for r in records),
+                           key=lambda r: (r["setting"], r["mixer"], r["width"], r["lr"], r["seed"]))}
+    write_json(Path(cfg.results), data)
+    md, png = write_report(data, cfg.results)
+    print(table(data))
+    print(f"mqar: {len(records)} jobs in {data['wall_s']:.0f}s (jobs' own times: {data['jobs_wall_s']:.0f}s)")
+    print(f"mqar: wrote {cfg.results}, {md} and {png}")
+    if failed:
+        raise SystemExit(f"mqar: {len(failed)} job(s) failed (listed in failed_jobs of {cfg.results}); rerun the "
+                         "same command to retry them")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,104 @@
+"""The MQAR results JSON, its Markdown table and its plot (accuracy against state size, as in Zoology's figure).
+
+``python -m eval.mqar.report RESULTS.json`` rewrites the table (``.md``) and plot (``.png``) beside the JSON.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from eval.mqar.run import SCHEMA
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results JSON written by ``python -m eval.mqar``; raises naming the problem for anything else."""
+    data = json.loads(Path(path).read_text())
+    if data.get("benchmark") != "mqar" or data.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not an MQAR results file of schema {SCHEMA}; write one with python -m eval.mqar")
+    return data
+
+
+def table(data: dict[str, Any]) -> str:
+    """Markdown: one row per mixer, one column per ``setting / width``, cells ``mean ± std`` test accuracy (%)."""
+    rows = data["rows"]
+    cols = sorted({(r["setting"], r["width"]) for r in rows},
+                  key=lambda c: (data["config"]["settings"].index(c[0]) if c[0] in data["config"]["settings"] else 99,
+                                 c[1]))
+    mixers = [m for m in data["config"]["mixers"] if any(r["mixer"] == m for r in rows)]
+    cell = {(r["mixer"], r["setting"], r["width"]): r for r in rows}
+    seeds = len(data["config"]["seeds"])
+    lines = [f"MQAR test accuracy (%), mean ± std over {seeds} seed(s), best of the LR sweep "
+             f"{data['config']['lrs']} by validation accuracy; state per column below.", "",
+             "| mixer | " + " | ".join(f"{s} d{w}" for s, w in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for m in mixers:
+        vals = []
+        for s, w in cols:
+            r = cell.get((m, s, w))
+            vals.append("" if r is None else f"{100 * r['test_acc_mean']:.1f} ± {100 * r['test_acc_std']:.1f}")
+        lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    states = []
+    for s, w in cols:
+        rec = [r["state"] for r in rows if r["setting"] == s and r["width"] == w and r["state_recurrent"]]
+        states.append(f"{min(rec):,}–{max(rec):,}" if rec and min(rec) != max(rec) else f"{rec[0]:,}" if rec else "")
+    lines.append("| recurrent state | " + " | ".join(states) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict[str, Any], path: str | Path) -> None:
+    """One panel per setting: test accuracy against state size (log x), one line per mixer over the widths;
+    attention (its KV cache, not a fixed state) dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    settings = [s for s in data["config"]["settings"] if any(r["setting"] == s for r in rows)]
+    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.6), squeeze=False, sharey=True)
+    for ax, s in zip(axes[0], settings):
+        for m in data["config"]["mixers"]:
+            pts = sorted((r["state"], r["test_acc_mean"], r["test_acc_std"], r["state_recurrent"])
+                         for r in rows if r["setting"] == s and r["mixer"] == m)
+            if not pts:
+                continue
+            x, y, e = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+            ax.errorbar(x, y, yerr=e, marker="o", ms=3, capsize=2, label=m, ls="-" if pts[0][3] else "--")
+        ax.set_xscale("log")
+        ax.set_title(f"MQAR {s}")
+        ax.set_xlabel("state (elements)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy")
+    axes[0][0].set_ylim(-0.02, 1.02)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_report(data: dict[str, Any], results: str | Path) -> tuple[Path, Path]:
+    """Write the table and plot beside ``results``; returns their paths."""
+    results = Path(results)
+    md, png = results.with_suffix(".md"), results.with_suffix(".png")
+    tmp = md.with_name(f".{md.name}.tmp")
+    tmp.write_text(table(data))
+    tmp.replace(md)
+    plot(data, png)
+    return md, png
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m eval.mqar.report RESULTS.json")
+    md, png = write_report(load_results(argv[0]), argv[0])
+    print(md.read_text())
+    print(f"wrote {md} and {png}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

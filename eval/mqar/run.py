@@ -1,0 +1,208 @@
+"""The MQAR grid: one job per ``(setting, mixer, width, lr, seed)``, run by a pool of processes on one device.
+
+Small models leave a GPU idle, so ``workers`` processes share it, each training one job at a time, the longest
+jobs first. Every finished job is written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun
+skips jobs whose file holds the same budget, so an interrupted grid resumes where it stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.mqar.config import MQARConfig
+from eval.mqar.data import MQARSetting
+from eval.mqar.train import Budget, MixerChoice, train_job
+
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model of the grid."""
+
+    setting: MQARSetting
+    mixer: MixerChoice
+    width: int
+    lr: float
+    seed: int
+    budget: Budget
+
+    @property
+    def name(self) -> str:
+        """A file-name-safe identity, e.g. ``64x4_kdn_diag-mu-1_d64_lr0.002_s0``."""
+        mixer = re.sub(r"[^A-Za-z0-9_.-]", "-", self.mixer.label)
+        return f"{self.setting.name}_{mixer}_d{self.width}_lr{self.lr:g}_s{self.seed}"
+
+    @property
+    def cost(self) -> float:
+        """Relative work: tokens trained times width (orders the queue, longest first)."""
+        b = self.budget
+        return b.epochs * b.train_examples * self.setting.seq_len * self.width
+
+    def identity(self) -> dict[str, Any]:
+        """What the job's result depends on (a stored result with another identity is rerun)."""
+        return {"setting": asdict(self.setting), "mixer": self.mixer.label, "width": self.width, "lr": self.lr,
+                "seed": self.seed, "budget": asdict(self.budget)}
+
+
+def build_jobs(cfg: MQARConfig) -> list[Job]:
+    """The grid of ``cfg``, longest jobs first."""
+    jobs = [Job(s, m, w, lr, seed, cfg.budget(s)) for s in cfg.setting_objects() for m in cfg.mixer_choices()
+            for w in cfg.widths for lr in cfg.lrs for seed in cfg.seeds]
+    return sorted(jobs, key=lambda j: -j.cost)
+
+
+def load_done(path: Path, job: Job) -> dict[str, Any] | None:
+    """The stored result of ``job``, or ``None`` when missing, unreadable or from another budget."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("identity") == json.loads(json.dumps(job.identity())) else None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON through a temp file and ``os.replace`` (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
+    return device
+
+
+def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
+    """Worker: train ``job`` on ``device``, store and return its record; a job that raises returns
+    ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
+    job, device, out, threads, commit = args
+    torch.set_num_threads(threads)
+    try:
+        record = train_job(job.mixer, job.width, job.setting, job.lr, job.seed, job.budget, torch.device(device))
+    except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
+        return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
+    record["identity"], record["git_commit"] = job.identity(), commit
+    write_json(Path(out) / "jobs" / f"{job.name}.json", record)
+    return record
+
+
+def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Run every job of ``cfg`` not already stored under ``cfg.out`` (each record keeps the commit it ran at).
+    Returns all records of the grid and the jobs that failed (``{"job", "error"}``)."""
+    device = resolve_device(cfg.device)
+    jobs = build_jobs(cfg)
+    out = Path(cfg.out)
+    records, failed, todo = [], [], []
+    for job in jobs:
+        done = load_done(out / "jobs" / f"{job.name}.json", job)
+        if done is None:
+            todo.append(job)
+        else:
+            records.append(done)
+    workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
+    log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with {workers} worker(s)")
+    commit = git_commit()
+    args = [(job, str(device), str(out), cfg.threads, commit) for job in todo]
+    t0 = time.perf_counter()
+    pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    try:
+        results = map(_run_one, args) if pool is None else pool.imap_unordered(_run_one, args)
+        for i, rec in enumerate(results, 1):
+            head = f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s]"
+            if "error" in rec:
+                failed.append(rec)
+                log(f"{head} {rec['job']} FAILED: {rec['error']}")
+                continue
+            records.append(rec)
+            log(f"{head} {rec['setting']} {rec['mixer']} d{rec['width']} lr {rec['lr']:g} seed {rec['seed']}: "
+                f"test {rec['test_acc']:.3f} valid {rec['valid_acc']:.3f} loss {rec['final_loss']:.3f}"
+                f"{' (diverged)' if rec['diverged'] else ''} ({rec['wall_s']:.0f}s)")
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return records, failed
+
+
+def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, Any]]:
+    """One row per ``(setting, mixer, width)``: the learning rate with the best mean validation accuracy over seeds,
+    and at that rate the test accuracy's mean, std (over seeds, ``ddof = 1``; 0 for one seed) and values."""
+    cells: dict[tuple, dict[float, list[dict]]] = {}
+    for r in records:
+        cells.setdefault((r["setting"], r["mixer"], r["width"]), {}).setdefault(r["lr"], []).append(r)
+    order = {s: i for i, s in enumerate(cfg.settings)}, {m: i for i, m in enumerate(cfg.mixers)}
+    rows = []
+    for (setting, mixer, width), by_lr in sorted(cells.items(), key=lambda kv: (
+            order[0].get(kv[0][0], 99), order[1].get(kv[0][1], 99), kv[0][2])):
+        sweep = {lr: sum(r["valid_acc"] for r in rs) / len(rs) for lr, rs in by_lr.items()}
+        best = max(sorted(sweep), key=lambda lr: sweep[lr])
+        runs = sorted(by_lr[best], key=lambda r: r["seed"])
+        accs = [r["test_acc"] for r in runs]
+        mean = sum(accs) / len(accs)
+        std = (sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) ** 0.5 if len(accs) > 1 else 0.0
+        first = runs[0]
+        rows.append({"setting": setting, "mixer": mixer, "width": width, "state": first["state"],
+                     "state_recurrent": first["state_recurrent"], "params": first["params"], "best_lr": best,
+                     "test_acc_mean": mean, "test_acc_std": std, "test_acc": accs, "seeds": [r["seed"] for r in runs],
+                     "valid_acc_by_lr": {f"{lr:g}": v for lr, v in sorted(sweep.items())},
+                     "diverged_lrs": sorted(f"{lr:g}" for lr, rs in by_lr.items() if any(r["diverged"] for r in rs))})
+    return rows
+
+
+def git_commit() -> str | None:
+    """``HEAD`` of the working directory's repository, ``+dirty`` with uncommitted changes; ``None`` outside one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]:
+    """Device, versions, date, ``commit`` (read when the run starts), command and every setting of the run."""
+    import fla
+    import transformers
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = resolve_device(cfg.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {
+        "schema": SCHEMA, "benchmark": "mqar", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "git_commit": commit, "command": " ".join(["python -m eval.mqar",
+                                                                                 *sys.argv[1:]]),
+        "device": {"type": device.type, "name": name, "cpu_count": os.cpu_count()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+                     "fla": getattr(fla, "__version__", None), "transformers": transformers.__version__},
+        "config": dataclasses.asdict(cfg), "wall_s": wall_s,
+        "state_matching": ("state = recurrent memory per sequence summed over the two layers, in elements "
+                           "(models.recurrent_state_size). Every matrix-state mixer has width/head_dim heads of "
+                           "head_dim x head_dim (heads x head_dim^2 per layer); Diagonal KDN adds heads x head_dim "
+                           "precisions and Isotropic KDN heads; Mamba-3's d_state = heads x head_dim^2 / (expand x "
+                           "width) makes its expand x width x d_state the same. Attention's entry is its KV cache "
+                           "at the setting's length (2 x T x width per layer), which grows with T: not matched."),
+    }
