@@ -8,6 +8,7 @@ layer with itself.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -114,6 +115,27 @@ def kdn_recurrence(
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
         kappas.append(kappa)
     return torch.stack(outs, 1), torch.stack(kappas, 1)
+
+
+def recurrence_inputs(layer: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """The arguments (``k, g, omega, r, u0, ...``) the layer hands to its effective-write-strength computation in
+    one forward of ``x``: the gain recurrence's own inputs of that forward."""
+    seen: list[dict] = []
+    original = layer.beta_eff
+    signature = inspect.signature(original)
+
+    def capture(*args: object, **kwargs: object) -> Tensor:
+        seen.append(dict(signature.bind(*args, **kwargs).arguments))
+        return original(*args, **kwargs)
+
+    layer.beta_eff = capture
+    try:
+        with torch.no_grad():
+            layer(x, output_beta_eff=True)
+    finally:
+        del layer.beta_eff
+    (got,) = seen
+    return got
 
 
 def kdn_layer(layer: nn.Module, x: Tensor) -> dict[str, Tensor]:

@@ -3,14 +3,13 @@ from what reaches the gain recurrence: prior precision 1, isotropic initial proc
 retention gates' initial distribution (KDA's and the sigmoid option's alike), learned ``mu = d_k``."""
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kdn_inputs import rel_err
-from layer_reference import retention
+from layer_reference import recurrence_inputs, retention
 
 import kdn
 
@@ -20,33 +19,12 @@ LAYERS = {"diag": kdn.DiagonalKDN, "iso": kdn.IsotropicKDN}
 DECAY_RANGE = (1e-3, 16 * 0.1)
 
 
-def _recurrence_inputs(layer: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``(k, g, omega, r, u0)`` the layer hands to its effective-write-strength computation, which are the
-    recurrence's inputs of the same forward."""
-    seen: list[dict] = []
-    original = layer.beta_eff
-    signature = inspect.signature(original)
-
-    def capture(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(dict(signature.bind(*args, **kwargs).arguments))
-        return original(*args, **kwargs)
-
-    layer.beta_eff = capture
-    try:
-        with torch.no_grad():
-            layer(x, output_beta_eff=True)
-    finally:
-        del layer.beta_eff
-    (got,) = seen
-    return got
-
-
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_initial_prior_noise_and_mu(kind: str) -> None:
     torch.manual_seed(0)
     layer = LAYERS[kind](D, H, K, mu="learned").double()
     x = torch.randn(2, 9, D, dtype=torch.float64)
-    got = _recurrence_inputs(layer, x)
+    got = recurrence_inputs(layer, x)
     precision = 0.1 + F.softplus(layer.prior_theta)
     assert rel_err(precision, torch.ones(H)) <= 1e-6, "initial prior precision 1"
     assert rel_err(got["u0"], torch.ones_like(got["u0"])) <= 1e-6, "initial uncertainty 1"
@@ -73,4 +51,4 @@ def test_initial_retention_follows_kdas_distribution(alpha: str) -> None:
     assert 1e-3 < decay.median() < 0.3
     # the layer hands the recurrence this gate at its initial values
     x = torch.randn(1, 5, D, dtype=torch.float64)
-    assert rel_err(_recurrence_inputs(layer, x)["g"], retention(front, x)) <= 1e-12
+    assert rel_err(recurrence_inputs(layer, x)["g"], retention(front, x)) <= 1e-12

@@ -3,14 +3,13 @@ every parameter random first: each option of the Table 4/5 ablations by value, t
 gains the recurrence used, and float64 gradients of the whole layer."""
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 
 import pytest
 import torch
 from kdn_inputs import rel_err
-from layer_reference import delta_layer, kdn_layer, randomize
+from layer_reference import delta_layer, kdn_layer, randomize, recurrence_inputs
 
 import kdn
 from models.layers.delta import DELTA_MIXERS
@@ -128,18 +127,7 @@ def test_noise_switches_deliver_their_values(kind: str, noise: str) -> None:
     layer = _kdn(kind, seed=6, noise=noise)
     x = _x(4)
     ref = kdn_layer(layer, x)
-    seen: list[dict] = []
-    original = layer.beta_eff
-    signature = inspect.signature(original)
-
-    def capture(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(dict(signature.bind(*args, **kwargs).arguments))
-        return original(*args, **kwargs)
-
-    layer.beta_eff = capture
-    with torch.no_grad():
-        layer(x, output_beta_eff=True)
-    (got,) = seen
+    got = recurrence_inputs(layer, x)
     omega, r, prior = got["omega"], got["r"], got["u0"]
     assert r.shape == (B, T, H) and omega.shape == ((B, T, H) if kind == "iso" else (B, T, H, K))
     if noise == "learned":
