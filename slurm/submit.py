@@ -119,14 +119,6 @@ def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
     return Plan(job, render(job, cluster), config, total, skip)
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -135,15 +127,18 @@ def _write(path: Path, text: str) -> None:
 
 def submit(p: Plan) -> str:
     """Freeze the job into ``<run_dir>/submit/`` and ``sbatch`` it; returns the job id."""
+    from eval.results import git_commit
+    from trainer.checkpoint import write_json_atomic
+
     out = p.job.run_dir / "submit"
     out.mkdir(parents=True, exist_ok=True)
     script = out / f"{p.job.kind}.sbatch"
     _write(script, p.script)
     if p.config is not None:
-        _write(out / "config.json", json.dumps(p.config, indent=1, sort_keys=True))
-        _write(out / "job.json", json.dumps({"sweep": p.job.sweep, "experiment": p.job.experiment,
-                                              "seed": p.job.seed, "overrides": list(p.job.overrides),
-                                              "total_steps": p.total_steps, "git_commit": git_commit()}, indent=1))
+        write_json_atomic(out / "config.json", p.config)
+        write_json_atomic(out / "job.json", {
+            "sweep": p.job.sweep, "experiment": p.job.experiment, "seed": p.job.seed,
+            "overrides": list(p.job.overrides), "total_steps": p.total_steps, "git_commit": git_commit() or "unknown"})
     try:
         res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     except FileNotFoundError as e:

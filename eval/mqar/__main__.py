@@ -15,7 +15,9 @@ import torch
 
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
-from eval.mqar.run import git_commit, header, run_grid, summarize, write_json
+from eval.mqar.run import header, run_grid, summarize
+from eval.results import git_commit
+from trainer.checkpoint import write_json_atomic
 
 
 def main(argv: list[str]) -> None:
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> None:
             "rows": summarize(records, cfg),
             "jobs": sorted(({k: v for k, v in r.items() if k != "identity"} for r in records),
                            key=lambda r: (r["setting"], r["mixer"], r["width"], r["lr"], r["seed"]))}
-    write_json(Path(cfg.results), data)
+    write_json_atomic(Path(cfg.results), data)
     md, png = write_report(data, cfg.results)
     print(table(data))
     print(f"mqar: {len(records)} jobs in {data['wall_s']:.0f}s (jobs' own times: {data['jobs_wall_s']:.0f}s)")

@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +23,8 @@ import torch
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
 from eval.mqar.train import Budget, MixerChoice, train_job
+from eval.results import git_commit
+from trainer.checkpoint import write_json_atomic
 
 SCHEMA = 1
 
@@ -73,14 +74,6 @@ def load_done(path: Path, job: Job) -> dict[str, Any] | None:
     return record if record.get("identity") == json.loads(json.dumps(job.identity())) else None
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON through a temp file and ``os.replace`` (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def resolve_device(name: str) -> torch.device:
     """``auto``: CUDA when available, else CPU."""
     if name == "auto":
@@ -101,7 +94,7 @@ def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
     except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
         return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
     record["identity"], record["git_commit"] = job.identity(), commit
-    write_json(Path(out) / "jobs" / f"{job.name}.json", record)
+    write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", record)
     return record
 
 
@@ -166,17 +159,6 @@ def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, 
                      "valid_acc_by_lr": {f"{lr:g}": v for lr, v in sorted(sweep.items())},
                      "diverged_lrs": sorted(f"{lr:g}" for lr, rs in by_lr.items() if any(r["diverged"] for r in rs))})
     return rows
-
-
-def git_commit() -> str | None:
-    """``HEAD`` of the working directory's repository, ``+dirty`` with uncommitted changes; ``None`` outside one."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]:
