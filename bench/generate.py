@@ -11,7 +11,9 @@ Cases (``--cases``, comma-separated; all by default):
 - ``prefill``: tokens/s of the packed prefill of 64 x 4K prompts, beside the tokens/s of the training forward (the
   backbone over the same packed tokens, no cache; the largest size);
 - ``anchors``: at each size, batch 1: fla's ``KDAForCausalLM`` with HF ``generate``, our full-attention Transformer
-  through :func:`models.generate` and through HF's loop, and our Diagonal KDN through HF's loop.
+  through :func:`models.generate` and through HF's loop, and our Diagonal KDN through HF's loop;
+- ``profile``: where one decoding step's time goes, at batch 1 and 64 (the largest size): the replayed graph's step
+  time, and the CUDA kernels of the same step run eagerly (count and device time per step, the top kernels).
 
 ms per new token is ``(t(n + 1 new tokens) - t(1 new token)) / n``: the prefill and the first token cancel. Beside
 each row, the bandwidth floor of one step: bytes read (the weights without the embedding table, plus each row's
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import subprocess
 import time
@@ -34,7 +37,7 @@ from trainer.checkpoint import write_json_atomic
 
 HBM_BYTES_PER_S = 4.3e12
 OUT = Path(__file__).parent / "results" / "generate.json"
-CASES = ("batch1", "batch64", "context", "prefill", "anchors")
+CASES = ("batch1", "batch64", "context", "prefill", "anchors", "profile")
 TARGETS = {  # the case's goal, as (key of the row, comparison, value)
     ("batch1", "100m"): ("ms_per_token", "<=", 1.5),
     ("batch1", "750m"): ("ms_per_token", "<=", 3.0),
@@ -80,8 +83,10 @@ def ms_per_token(run: Callable[[int], object], n: int, repeats: int) -> float:
     return (seconds(lambda: run(n + 1), repeats) - seconds(lambda: run(1), repeats)) / n * 1e3
 
 
+@functools.lru_cache(maxsize=1)
 def ours(size: str, mixer: str = "kdn_diag") -> torch.nn.Module:
-    """Our model at ``size`` (bf16, random weights, CUDA); full attention for ``mixer="attn"``."""
+    """Our model at ``size`` (bf16, random weights, CUDA; the last one built is kept for the next case); full
+    attention for ``mixer="attn"``."""
     from models import build_model, model_config
 
     kw = {"mixer_kwargs": {"window": None}} if mixer == "attn" else {}
@@ -119,7 +124,11 @@ def static_state_bytes(model: torch.nn.Module) -> float:
     pool = decoders(model)
     if not pool.decoders:
         raise RuntimeError("no static decoder was built: generate at least two new tokens first")
-    dec = list(pool.decoders.values())[-1]
+    return decoder_state_bytes(list(pool.decoders.values())[-1])
+
+
+def decoder_state_bytes(dec: object) -> float:
+    """Bytes of decoding state per row in a :class:`models.generation.StaticDecoder`'s cache."""
     total = 0
     for state in dec.cache.layers.values():
         for name, t in _tensors(state):
@@ -253,6 +262,42 @@ def case_anchors(sizes: list[str], n: int, n_hf: int, repeats: int) -> list[dict
     return rows
 
 
+def case_profile(size: str, repeats: int, steps: int = 20) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.generation import StaticDecoder, prefill
+
+    model = ours(size)
+    rows = []
+    for B in (1, 64):
+        ids = prompt(B, 512)
+        _, cache = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool))
+        decs, ms = {}, {}
+        for graph in (False, True):
+            dec = decs[graph] = StaticDecoder(model, B, {}, ids.device, graph)
+            dec.cache.load(cache, B)
+            if graph:  # the capture advances the state: load it again
+                dec.capture()
+                dec.cache.load(cache, B)
+            dec.ids.copy_(ids[:, -1:])
+            ms[graph] = seconds(lambda d=dec: [d.step() for _ in range(steps)], repeats) / steps * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                decs[False].step()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+        rows.append({"case": "profile", "size": size, "model": "ours kdn_diag (static step)", "batch": B,
+                     "graph_ms_per_step": ms[True], "eager_ms_per_step": ms[False],
+                     "kernels_per_step": sum(e.count for e in kernels) / steps,
+                     "kernel_ms_per_step": sum(e.self_device_time_total for e in kernels) / steps / 1e3,
+                     "top_kernels": [{"name": e.key[:90], "per_step": e.count / steps,
+                                      "us_per_step": e.self_device_time_total / steps} for e in top],
+                     "floor_ms": floor_ms(model, decoder_state_bytes(decs[True]), B)})
+        del decs
+    return rows
+
+
 def verdict(row: dict) -> str:
     target = TARGETS.get((row["case"], row["size"]))
     if target is None or row.get("model", "").startswith("fla") or target[0] not in row:
@@ -271,6 +316,9 @@ def report(rows: list[dict]) -> None:
             result = f"{r['tokens_per_s']:.0f} tok/s ({r['ms_per_step']:.2f} ms/step)"
         elif r["case"] == "context":
             result = f"{r['ms_per_token_1k']:.2f} / {r['ms_per_token_32k']:.2f} ms (x{r['ratio_32k_1k']:.2f})"
+        elif r["case"] == "profile":
+            result = (f"graph {r['graph_ms_per_step']:.2f} ms, eager {r['eager_ms_per_step']:.2f}; "
+                      f"{r['kernels_per_step']:.0f} kernels {r['kernel_ms_per_step']:.2f} ms")
         elif r["case"] == "prefill":
             result = (f"{r['tokens_per_s'] / 1e3:.0f}K tok/s vs fwd {r['forward_tokens_per_s'] / 1e3:.0f}K "
                       f"(x{r['ratio_to_forward']:.2f})")
@@ -311,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         "context": lambda: case_context(sizes[-1], args.new_tokens, args.repeats),
         "prefill": lambda: case_prefill(sizes[-1], args.repeats),
         "anchors": lambda: case_anchors(sizes, args.new_tokens, args.hf_new_tokens, args.repeats),
+        "profile": lambda: case_profile(sizes[-1], args.repeats),
     }
     for case in cases:
         t0 = time.perf_counter()
@@ -325,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
         write_json_atomic(args.out, result)
         torch.cuda.empty_cache()
     report(result["rows"])
+    for r in result["rows"]:
+        for k in r.get("top_kernels", ()):
+            print(f"  batch {r['batch']:>2} {k['per_step']:>5.1f}x {k['us_per_step']:>8.1f} us  {k['name']}")
     print(f"wrote {args.out}")
 
 

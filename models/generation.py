@@ -44,10 +44,10 @@ class GenerateOutput:
 @dataclass
 class DecoderPool:
     """The static decoders of one model, keyed by ``(bucket, dtype, autocast dtype, device, cuda_graph)``, with the
-    graphs' memory pool and the parameter addresses they were captured against."""
+    graphs' memory pool and the parameter addresses and versions they were captured against."""
 
     decoders: dict[tuple, StaticDecoder] = field(default_factory=dict)
-    params: tuple[int, ...] = ()
+    params: tuple[tuple[int, int], ...] = ()
     pool: Any = None
     replaced: int = 0  # graphs captured by decoders since replaced (longer attention rings)
 
@@ -58,8 +58,10 @@ class DecoderPool:
 
 
 def decoders(model: torch.nn.Module) -> DecoderPool:
-    """The model's :class:`DecoderPool` (created on first use; emptied when the parameters moved since)."""
-    params = tuple(p.data_ptr() for p in model.parameters())
+    """The model's :class:`DecoderPool` (created on first use; emptied when a parameter moved or was updated in place
+    since, as its version counter tells: the graphs read weights that the layers keep between steps, such as the
+    stacked input projections)."""
+    params = tuple((p.data_ptr(), p._version) for p in model.parameters())
     pool = model.__dict__.get("_static_decoders")
     if pool is None or pool.params != params:
         pool = DecoderPool(params=params)

@@ -1,7 +1,8 @@
 """The fused short convolutions of the front end (``kdn.modules.conv.front_conv``) against float64: the CPU through
 Triton's interpreter, and CUDA. Outputs (``q, k`` normalised per head, ``v``, the passed-through columns) and the
 gradients of the joint projection and of the taps; batch rows and packed sequences (some shorter than the taps),
-``V != K``, FP32 and bf16."""
+``V != K``, FP32 and bf16. The one-token step (``front_conv_step``): its outputs and the conv windows it updates in
+place, against the PyTorch path's cached step in float64."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +17,7 @@ CHECK = r"""
 import torch
 import torch.nn.functional as F
 from kdn.modules import ShortConv
-from kdn.modules.conv import front_conv
+from kdn.modules.conv import front_conv, front_conv_step
 from kdn_inputs import rel_err
 
 
@@ -56,7 +57,38 @@ def check(device, dtype, B, T, H, K, V, extra, lens, seed, **tiles):
     errs["dy"] = rel_err(ys.grad, y64.grad)
     errs["dw"] = rel_err(ws.grad, w64.grad)
     return errs
+
+
+def check_step(device, dtype, B, H, K, V, extra, seed):
+    # one token over random conv windows: outputs and the windows after the step, against ShortConv's cached step
+    gen = torch.Generator().manual_seed(seed)
+    C = H * (2 * K + V)
+    y = (torch.randn(B, 1, C + extra, generator=gen) * 2).to(device, dtype)
+    w = (torch.randn(C, 4, generator=gen) / 2).to(device)
+    widths = (H * K, H * K, H * V)
+    state = tuple((torch.randn(B, d, 3, generator=gen) * 2).to(device, dtype) for d in widths)
+    ptrs = [s.data_ptr() for s in state]
+    ref_in = [s.double() for s in state]
+    outs = front_conv_step(y, w, state, H, K, V, 1e-12)
+    assert [o.dtype for o in outs] == [dtype] * 3 and [s.data_ptr() for s in state] == ptrs
+    errs, at = {}, 0
+    for name, o, s, s0, d, norm in zip("qkv", outs, state, ref_in, (K, K, V), (True, True, False)):
+        width = s.shape[1]
+        conv = ShortConv(width, 4)
+        r, new = torch.func.functional_call(conv, {"weight": w.double()[at:at + width, None, :]},
+                                            (y.double()[..., at:at + width], s0), {"output_final_state": True})
+        r = r.view(B, 1, H, d)
+        errs[name] = rel_err(o, F.normalize(r, dim=-1) if norm else r)
+        errs["window_" + name] = rel_err(s, new)
+        at += width
+    return errs
 """
+
+STEP_CASES = {  # dtype, B, H, K, V, passed-through columns
+    "fp32": ("float32", 3, 2, 16, 16, 5),
+    "fp32_wide_v": ("float32", 1, 3, 8, 16, 0),
+    "bf16": ("bfloat16", 2, 2, 16, 16, 7),
+}
 
 CASES = {  # dtype, B, T, H, K, V, passed-through columns, packed lengths
     "fp32": ("float32", 2, 37, 2, 16, 16, 5, None),
@@ -70,10 +102,11 @@ SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
 """ + CHECK + r"""
-cases = json.loads(sys.argv[1])
+cases, step_cases = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 tiles = {"tokens_fwd": 16, "tokens_bwd": 8}  # several programs along the tokens, some token blocks ending mid-sequence
-print(json.dumps({n: check("cpu", getattr(torch, c[0]), *c[1:7], c[7], i, **tiles)
-                  for i, (n, c) in enumerate(cases.items())}))
+errs = {n: check("cpu", getattr(torch, c[0]), *c[1:7], c[7], i, **tiles) for i, (n, c) in enumerate(cases.items())}
+errs |= {"step_" + n: check_step("cpu", getattr(torch, c[0]), *c[1:], i) for i, (n, c) in enumerate(step_cases.items())}
+print(json.dumps(errs))
 """
 
 
@@ -86,10 +119,11 @@ def _assert_close(errs: dict, dtype: str) -> None:
 def test_front_conv_in_interpreter_matches_float64() -> None:
     import json
 
-    errs = triton_interpret.run_interpreted(SCRIPT, json.dumps(CASES))
-    assert set(errs) == set(CASES)
+    errs = triton_interpret.run_interpreted(SCRIPT, json.dumps(CASES), json.dumps(STEP_CASES))
+    assert set(errs) == set(CASES) | {"step_" + n for n in STEP_CASES}
     for case, e in errs.items():
-        _assert_close({case: e}, CASES[case][0])
+        dtype = STEP_CASES[case[5:]][0] if case.startswith("step_") else CASES[case][0]
+        _assert_close({case: e}, dtype)
 
 
 COMPILE = r"""
@@ -112,15 +146,24 @@ for kernel in (tc._front_conv1d_fwd_kernel, tc._front_conv1d_bwd_kernel):
                 sig[name] = "fp32" if name == "eps" else "i32"
         triton.compile(ASTSource(kernel, sig, cst), target=GPUTarget("cuda", 90, 32), options={"num_warps": G})
         n += 1
-print(n)
+kernel = tc._front_conv1d_step_kernel
+sig, cst = {}, {}
+for i, name in enumerate(kernel.arg_names):
+    if name in ("W", "G", "BD"):
+        sig[name], cst[(i,)] = "constexpr", {"W": 4, "G": 1, "BD": 128}[name]
+    else:
+        sig[name] = "*fp32" if name == "w_ptr" else "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" \
+            else "i32"
+triton.compile(ASTSource(kernel, sig, cst), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+print(n + 1)
 """
 
 
 def test_front_conv_kernels_compile_for_hopper(tmp_path: Path) -> None:
     """The compiled path types values strictly (the interpreter does not): both kernels compile to sm_90 cubins on
     the CPU (Triton's bundled ptxas), packed (int32 positions, 4 heads a program) and batched (1 and 2 heads, the
-    taps masked by position and not)."""
-    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "6"
+    taps masked by position and not), and so does the one-token step."""
+    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "7"
 
 
 def test_front_conv_rejects_bad_shapes() -> None:
@@ -130,6 +173,14 @@ def test_front_conv_rejects_bad_shapes() -> None:
         front_conv(torch.randn(1, 4, 40), torch.randn(40, 4), 2, 8, 8)  # C = 48 > 40 columns
     with pytest.raises(ValueError, match="B = 1"):
         front_conv(torch.randn(2, 4, 48), torch.randn(48, 4), 2, 8, 8, cu_seqlens=torch.tensor([0, 4]))
+    from kdn.modules.conv import front_conv_step
+
+    windows = (torch.randn(2, 16, 3), torch.randn(2, 16, 3), torch.randn(2, 16, 3))
+    with pytest.raises(ValueError, match=r"y \[B, 1"):
+        front_conv_step(torch.randn(2, 2, 48), torch.randn(48, 4), windows, 2, 8, 8)
+    with pytest.raises(ValueError, match="contiguous conv windows"):
+        front_conv_step(torch.randn(2, 1, 48), torch.randn(48, 4), (windows[0], windows[1], windows[2][:, :8]),
+                        2, 8, 8)
 
 
 @pytest.mark.gpu
@@ -146,3 +197,15 @@ def test_front_conv_on_cuda_matches_float64(case: tuple) -> None:
     scope: dict = {}
     exec(CHECK, scope)
     _assert_close({"cuda": scope["check"]("cuda", getattr(torch, case[0]), *case[1:7], case[7], 0)}, case[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [("float32", 3, 4, 64, 64, 9), ("bfloat16", 64, 16, 128, 128, 400),
+                                  ("bfloat16", 1, 4, 128, 256, 16)])
+def test_front_conv_step_on_cuda_matches_float64(case: tuple) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, "tests")
+    scope: dict = {}
+    exec(CHECK, scope)
+    _assert_close({"cuda": scope["check_step"]("cuda", getattr(torch, case[0]), *case[1:], 0)}, case[0])

@@ -283,3 +283,24 @@ def test_static_step_reads_nothing_on_the_host(mixer: str, pattern: str) -> None
     with torch.no_grad(), _HostReads() as reads:
         decoder.step()
     assert reads.seen == []
+
+
+def test_decoding_sees_in_place_weight_updates() -> None:
+    """The stacked input projections kept between decoding steps are rebuilt after an optimiser step, and the static
+    decoders with them: the next tokens' logits equal those of the full forward of the updated model."""
+    model = _model("kdn_diag", "hybrid_swa")
+    ids, mask, _ = _prompts((7, 5))
+    generate(model, ids, 4, attention_mask=mask, cuda_graph=False)
+    pool = decoders(model)
+    front = model.model.layers[0].mixer.front
+    stack = front.__dict__["_stack"][1]
+    generate(model, ids, 4, attention_mask=mask, cuda_graph=False)
+    assert decoders(model) is pool and front.__dict__["_stack"][1] is stack  # unchanged weights: reused
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(ids).logits.square().mean().backward()
+    opt.step()
+    res = generate(model, ids, 4, attention_mask=mask, output_scores=True, cuda_graph=False)
+    assert decoders(model) is not pool and front.__dict__["_stack"][1] is not stack
+    with torch.no_grad():
+        full = model(res.sequences[:1]).logits[0, 6:-1]
+    assert _rel(res.scores[0], full) < 1e-5

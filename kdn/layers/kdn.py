@@ -120,7 +120,8 @@ class _KalmanDelta(nn.Module):
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         p, conv = self.front.inputs(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)},
-                                    last["conv"] if last else None, cu_seqlens, use_cache)
+                                    last["conv"] if last else None, cu_seqlens, use_cache,
+                                    static=getattr(past_key_values, "static", False))
         q, k, v = p["q"], p["k"], p["v"]
         decoding = T == 1 and last is not None and cu_seqlens is None
         # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;

@@ -1,6 +1,7 @@
 """The front end's short convolutions on CUDA, fused: causal depthwise conv (width 4) + SiLU over ``q, k, v`` and
 the L2 norm of ``q`` and ``k`` per head, one Triton pass each way, read from and written to the joint projection
-(:func:`front_conv`, the CUDA path of :meth:`kdn.modules.DeltaFrontEnd.inputs`).
+(:func:`front_conv`, the CUDA path of :meth:`kdn.modules.DeltaFrontEnd.inputs`; :func:`front_conv_step`, one
+decoding token over the conv windows, updated in place).
 
 The three streams are the first ``C = 2HK + HV`` columns of the joint projection ``y [B, T, N]`` (one GEMM computes
 every projection of the layer input). A program holds ``G`` heads of one stream (a warp each, the head's channels
@@ -224,6 +225,27 @@ def _front_conv1d_bwd_kernel(y_ptr, w_ptr, pos_ptr, dq_ptr, dk_ptr, dv_ptr, dy_p
     tl.store(base + (W - 4), dw3, mask=mc)
 
 
+@triton.jit
+def _front_conv1d_step_kernel(y_ptr, w_ptr, sq_ptr, sk_ptr, sv_ptr, q_ptr, k_ptr, v_ptr, stride_y, H, K, V, eps,
+                              W: tl.constexpr, G: tl.constexpr, BD: tl.constexpr):
+    # one token of G heads of row b: z = w[:, W-1] x + sum_m w[:, W-1-m] s_{W-1-m} over the conv window s (the last
+    # three inputs, oldest first), which then shifts by one and takes x (in place, in its own dtype)
+    b = tl.program_id(0).to(tl.int64)
+    stream, is_qk, width, own, col, c, mc, w0, w1, w2, w3 = _setup(w_ptr, tl.program_id(1) * G, H, K, V, W, G, BD)
+    out_ptr, out_stride = _stream(stream, q_ptr, k_ptr, v_ptr, H, K, V)
+    s_ptr = _stream(stream, sq_ptr, sk_ptr, sv_ptr, H, K, V)[0] + (b * out_stride + own) * (W - 1)
+    x = tl.load(y_ptr + b * stride_y + col, mask=mc, other=0.0)
+    s0 = tl.load(s_ptr, mask=mc, other=0.0)
+    s1 = tl.load(s_ptr + 1, mask=mc, other=0.0)
+    s2 = tl.load(s_ptr + 2, mask=mc, other=0.0)
+    z = w0 * x.to(tl.float32) + w1 * s2.to(tl.float32) + w2 * s1.to(tl.float32) + w3 * s0.to(tl.float32)
+    o = _act(z, is_qk, eps)[1]
+    tl.store(out_ptr + b * out_stride + own, o.to(out_ptr.dtype.element_ty), mask=mc)
+    tl.store(s_ptr, s1, mask=mc)
+    tl.store(s_ptr + 1, s2, mask=mc)
+    tl.store(s_ptr + 2, x.to(s_ptr.dtype.element_ty), mask=mc)
+
+
 def _positions(M: int, cu_seqlens: Tensor | None, device: torch.device) -> Tensor | None:
     """Each packed token's index in its own sequence, int32 ``[M]`` (``None`` without ``cu_seqlens``)."""
     if cu_seqlens is None:
@@ -307,3 +329,38 @@ def front_conv(y: Tensor, weight: Tensor, num_heads: int, head_dim: int, value_d
     q, k, v, rest = _FrontConv.apply(y.reshape(B * T, N).contiguous(), weight.contiguous(), pos, T, H, K, V, eps,
                                      (tokens_fwd, tokens_bwd, heads))
     return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), rest.view(B, T, N - C)
+
+
+def front_conv_step(y: Tensor, weight: Tensor, state: tuple[Tensor, Tensor, Tensor], num_heads: int, head_dim: int,
+                    value_dim: int, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoding token of :func:`front_conv`, one Triton program per (row, head), no autograd (CUDA, or the CPU
+    under Triton's interpreter).
+
+    Args:
+        y: ``[B, 1, N]``, the joint projection of the token; ``y[..., :C]`` (``C = H(2K + V)``) holds ``q, k, v``.
+        weight: ``[C, 4]``, the depthwise taps (``weight[:, 3]`` multiplies the current token).
+        state: the conv windows ``(q [B, HK, 3], k [B, HK, 3], v [B, HV, 3])``, contiguous, the last three inputs
+            oldest first (:class:`kdn.modules.ShortConv`'s cache); updated in place to end with this token.
+
+    Returns:
+        ``q, k [B, 1, H, K]`` (conv, SiLU, L2 norm per head with ``eps`` under the root) and ``v [B, 1, H, V]``
+        (conv, SiLU), in ``y``'s dtype, computed in FP32.
+    """
+    B, T, N = y.shape
+    H, K, V = num_heads, head_dim, value_dim
+    C = H * (2 * K + V)
+    widths = (H * K, H * K, H * V)
+    if T != 1 or N < C or weight.shape != (C, 4):
+        raise ValueError(f"front_conv_step needs y [B, 1, >= {C}] and weight [{C}, 4] for H={H}, K={K}, V={V}; "
+                         f"got y {tuple(y.shape)}, weight {tuple(weight.shape)}")
+    if any(s.shape != (B, d, 3) or not s.is_contiguous() or s.dtype != state[0].dtype
+           for s, d in zip(state, widths)):
+        raise ValueError("front_conv_step needs contiguous conv windows of one dtype, shaped "
+                         f"{[(B, d, 3) for d in widths]}; got {[(tuple(s.shape), s.dtype) for s in state]}")
+    y = y.reshape(B, N).contiguous()
+    q, k = (y.new_empty(B, H * K) for _ in range(2))
+    v = y.new_empty(B, H * V)
+    if B:
+        _front_conv1d_step_kernel[(B, 3 * H)](y, weight.contiguous(), *state, q, k, v, N, H, K, V, eps, W=4, G=1,
+                                              BD=triton.next_power_of_2(max(K, V)), num_warps=1)
+    return q.view(B, 1, H, K), k.view(B, 1, H, K), v.view(B, 1, H, V)

@@ -341,7 +341,7 @@ class DeltaFrontEnd(nn.Module):
     def inputs(
         self, x: Tensor, extra: dict[str, nn.Module | None] | None = None,
         conv_state: tuple[Tensor, Tensor, Tensor] | None = None, cu_seqlens: Tensor | None = None,
-        use_cache: bool = False,
+        use_cache: bool = False, static: bool = False,
     ) -> tuple[dict[str, Tensor], tuple | None]:
         """Every projection of the layer input ``x [B, T, d_model]`` from one matmul (:func:`split_outputs`), with
         ``q, k, v`` through their short convs: ``(p, conv cache)``. ``p`` maps ``q, k [B, T, H, K]`` (L2-normalised,
@@ -349,32 +349,62 @@ class DeltaFrontEnd(nn.Module):
         low-rank) and the mixer's ``extra`` projections (``None`` skipped; :func:`finish` completes a low-rank one)
         to ``[B, T, width]``. The cache (``use_cache``) holds each stream's last inputs. On CUDA in training
         (no cache, width-4 convolutions), the convolutions read the joint projection and write its gradient in one
-        fused pass each way (:func:`kdn.modules.conv.front_conv`)."""
+        fused pass each way (:func:`kdn.modules.conv.front_conv`). Decoding one token on CUDA without autograd, one
+        kernel makes ``q, k, v`` and advances the conv windows (:func:`kdn.modules.conv.front_conv_step`): in place
+        when ``static`` (the buffers of a static decoding cache), else in copies."""
         layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
         if self.gate != "none":
             layers["f"] = input_stage(self.f_proj)
         if hasattr(self, "g_proj"):
             layers["g"] = input_stage(self.g_proj)
         layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
-        y = linear(x, [m.weight for m in layers.values()])
-        if conv_state is None and not use_cache and self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused):
+        B, T = x.shape[:2]
+        step = T == 1 and conv_state is not None and cu_seqlens is None and not torch.is_grad_enabled()
+        y = linear(x, self._stacked(layers, x) if step else [m.weight for m in layers.values()])
+        fusable = self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused)
+        if conv_state is None and not use_cache and fusable:
             from kdn.modules.conv import front_conv
 
-            w = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-            q, k, v, rest = front_conv(y, w, self.H, self.K, self.V, L2_EPS, cu_seqlens)
+            q, k, v, rest = front_conv(y, self._conv_weight(), self.H, self.K, self.V, L2_EPS, cu_seqlens)
             p = split_outputs(rest, {n: m for n, m in layers.items() if n not in ("q", "k", "v")})
             p.update(q=q, k=k, v=v)
             return p, None
         p = split_outputs(y, layers)
+        if step and fusable:
+            from kdn.modules.conv import front_conv_step
+
+            state = conv_state if static else tuple(c.clone(memory_format=torch.contiguous_format)
+                                                    for c in conv_state)
+            q, k, v = front_conv_step(y, self._conv_weight(), state, self.H, self.K, self.V, L2_EPS)
+            p.update(q=q, k=k, v=v)
+            return p, (state if use_cache else None)
         cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
         q, cq = self.q_conv1d(p["q"], cq, cu_seqlens, use_cache)
         k, ck = self.k_conv1d(p["k"], ck, cu_seqlens, use_cache)
         v, cv = self.v_conv1d(p["v"], cv, cu_seqlens, use_cache)
-        B, T = q.shape[:2]
         p.update(q=l2_normalize(q.view(B, T, self.H, self.K), self.fused),
                  k=l2_normalize(k.view(B, T, self.H, self.K), self.fused),
                  v=v.view(B, T, self.H, self.V))
         return p, ((cq, ck, cv) if use_cache else None)
+
+    def _conv_weight(self) -> Tensor:
+        """The taps of the ``q, k, v`` convolutions, ``[2HK + HV, W]``."""
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    def _stacked(self, layers: dict[str, nn.Linear], x: Tensor) -> Tensor:
+        """The input projections' weights stacked ``[sum out_features, d_model]`` in the dtype :func:`linear` computes
+        in, kept between decoding steps (and read by their CUDA graphs) while no weight changes: the key holds each
+        weight's address and version counter, which every in-place update (an optimiser step, ``load_state_dict``)
+        advances. Without it each step would copy these weights (about a third of a layer's) before its GEMM."""
+        ws = [m.weight for m in layers.values()]
+        amp = torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws)
+        dtype = torch.get_autocast_dtype(x.device.type) if amp else ws[0].dtype
+        key = (dtype, *((w.data_ptr(), w._version) for w in ws))
+        cached = self.__dict__.get("_stack")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([w.to(dtype) for w in ws]))
+            self.__dict__["_stack"] = cached
+        return cached[1]
 
     def gate_input(self, p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
         """With KDA's per-channel gate, its input ``f [B, T, H, K]`` and ``(A_log [H], dt_bias [H*K])``, for kernels

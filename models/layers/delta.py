@@ -149,7 +149,7 @@ class _DeltaRule(nn.Module, abc.ABC):
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
         p, conv = self.front.inputs(x, self.write_projections(), last["conv"] if last else None, cu_seqlens,
-                                    use_cache)
+                                    use_cache, static=getattr(past_key_values, "static", False))
         g = self.front.log_retention(p) if self.gate != "none" else None
         if mask is not None and g is not None:  # padded tokens are identity steps: no key, no decay
             g = g * (mask[..., None] if g.dim() == 3 else mask[..., None, None])
