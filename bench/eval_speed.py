@@ -215,16 +215,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "commit": versions()["kdn"], "batch_size": args.batch_size, "lm_batch_size": args.lm_batch_size,
                    "ruler_new_tokens": args.ruler_new_tokens, "samples_per_cell": args.samples_per_cell}}
     parts = args.parts.split(",")
+    runs = {
+        "ruler": lambda: bench_ruler(model, tok, clock, cells, args.samples_per_cell, args.batch_size, tok.eos_id,
+                                     args.ruler_new_tokens),
+        "cloze": lambda: bench_cloze(model, hf_tok, clock, args.cloze_docs, args.lm_batch_size, args.cloze_tokens),
+        "lm": lambda: bench_lm(model, hf_tok, clock, args.lm_scale, args.lm_batch_size, args.max_length,
+                               args.wikitext_tokens),
+    }
+    if set(parts) - set(runs):
+        raise SystemExit(f"unknown --parts {sorted(set(parts) - set(runs))}; choose from {','.join(runs)}")
     with torch.no_grad():
-        if "ruler" in parts:
-            report["ruler"] = bench_ruler(model, tok, clock, cells, args.samples_per_cell, args.batch_size, tok.eos_id,
-                                          args.ruler_new_tokens)
-        if "cloze" in parts:
-            report["cloze"] = bench_cloze(model, hf_tok, clock, args.cloze_docs, args.lm_batch_size, args.cloze_tokens)
-        if "lm" in parts:
-            report["lm"] = bench_lm(model, hf_tok, clock, args.lm_scale, args.lm_batch_size, args.max_length,
-                                    args.wikitext_tokens)
-    write_json_atomic(args.out, report)
+        for name in [p for p in runs if p in parts]:
+            report[name] = runs[name]()
+            write_json_atomic(args.out, report)  # after each part: a run stopped later keeps it
     print(f"{report['header']['device']}, {args.size} {args.mixer} ({report['header']['dtype']})")
     print(f"{'part':<8} {'wall s':>9} {'prefill s':>10} {'decode s':>9}  items")
     for name, unit in (("ruler", "samples"), ("cloze", "documents"), ("lm", None)):

@@ -27,7 +27,7 @@ import functools
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -233,8 +233,7 @@ def case_prefill(size: str, repeats: int) -> list[dict]:
              "ratio_to_forward": t_forward / t_prefill}]
 
 
-def case_anchors(sizes: list[str], n: int, n_hf: int, repeats: int) -> list[dict]:
-    rows = []
+def case_anchors(sizes: list[str], n: int, n_hf: int, repeats: int) -> Iterator[dict]:
     for size in sizes:
         ids = prompt(1, 512)
         builds: list[tuple[str, Callable[[], torch.nn.Module], str, int]] = [
@@ -258,10 +257,10 @@ def case_anchors(sizes: list[str], n: int, n_hf: int, repeats: int) -> list[dict
             except Exception as err:  # noqa: BLE001 (one anchor failing must not lose the others)
                 row["error"] = f"{type(err).__name__}: {err}"
             torch.cuda.empty_cache()
-            rows.append(row)
-    return rows
+            yield row
 
 
+@torch.no_grad()
 def case_profile(size: str, repeats: int, steps: int = 20) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -364,14 +363,14 @@ def main(argv: list[str] | None = None) -> None:
     for case in cases:
         t0 = time.perf_counter()
         try:
-            rows = runs[case]()
+            for r in runs[case]():  # each row written as it comes: a run stopped mid-case keeps the rows before
+                result["rows"].append({**r, "case_seconds": time.perf_counter() - t0})
+                write_json_atomic(args.out, result)
         except Exception as err:  # noqa: BLE001 (a failed case is recorded; the others still run)
-            rows = [{"case": case, "size": sizes[-1], "model": "-", "batch": 0,
-                     "error": f"{type(err).__name__}: {err}"}]
-        for r in rows:
-            r["case_seconds"] = time.perf_counter() - t0
-        result["rows"] += rows
-        write_json_atomic(args.out, result)
+            result["rows"].append({"case": case, "size": sizes[-1], "model": "-", "batch": 0,
+                                   "error": f"{type(err).__name__}: {err}",
+                                   "case_seconds": time.perf_counter() - t0})
+            write_json_atomic(args.out, result)
         torch.cuda.empty_cache()
     report(result["rows"])
     for r in result["rows"]:

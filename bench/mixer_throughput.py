@@ -50,6 +50,7 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
     import fla.layers as fl
 
     import kdn
+    from models.layers.mamba3 import Mamba3
 
     makers: dict[str, Callable[[], nn.Module]] = {
         "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K, **settings),
@@ -58,7 +59,7 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
         "deltanet": lambda: fl.DeltaNet(hidden_size=d, num_heads=H),
         "gdn": lambda: fl.GatedDeltaNet(hidden_size=d, num_heads=H, head_dim=K, expand_v=1),
         "gdn2": lambda: fl.GatedDeltaNet2(hidden_size=d, num_heads=H, head_dim=K),
-        "mamba3_siso": lambda: fl.Mamba3(hidden_size=d),
+        "mamba3_siso": lambda: Mamba3(hidden_size=d, backend="kernels"),  # ours, on mamba-ssm's SISO kernel
         "attn": lambda: CausalSDPA(d, H, K),
     }
     if name not in makers:

@@ -17,7 +17,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kdn.modules import Linear, fla_fused, linear
+from kdn.modules import Linear, fla_fused, linear, stacked_weights
 from models.cache import KDNCache
 from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
@@ -56,7 +56,9 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, [self.gate_proj.weight, self.up_proj.weight])
+        ws = [self.gate_proj.weight, self.up_proj.weight]
+        decoding = x.shape[-2] == 1 and not torch.is_grad_enabled()  # one token a row: keep the stack between steps
+        y = linear(x, stacked_weights(self, ws, x) if decoding else ws)
         if fla_fused(y, self.fused):
             from kdn.modules.swiglu import swiglu_joint
 

@@ -292,15 +292,17 @@ def test_decoding_sees_in_place_weight_updates() -> None:
     ids, mask, _ = _prompts((7, 5))
     generate(model, ids, 4, attention_mask=mask, cuda_graph=False)
     pool = decoders(model)
-    front = model.model.layers[0].mixer.front
-    stack = front.__dict__["_stack"][1]
+    owners = (model.model.layers[0].mixer.front, model.model.layers[0].mlp)  # input projections, SwiGLU
+    stacks = [o.__dict__["_stacked_weights"][1] for o in owners]
     generate(model, ids, 4, attention_mask=mask, cuda_graph=False)
-    assert decoders(model) is pool and front.__dict__["_stack"][1] is stack  # unchanged weights: reused
+    assert decoders(model) is pool  # unchanged weights: the decoders and the stacks are reused
+    assert all(o.__dict__["_stacked_weights"][1] is t for o, t in zip(owners, stacks))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(ids).logits.square().mean().backward()
     opt.step()
     res = generate(model, ids, 4, attention_mask=mask, output_scores=True, cuda_graph=False)
-    assert decoders(model) is not pool and front.__dict__["_stack"][1] is not stack
+    assert decoders(model) is not pool
+    assert not any(o.__dict__["_stacked_weights"][1] is t for o, t in zip(owners, stacks))
     with torch.no_grad():
         full = model(res.sequences[:1]).logits[0, 6:-1]
     assert _rel(res.scores[0], full) < 1e-5

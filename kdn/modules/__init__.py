@@ -2,7 +2,8 @@
 
 - :mod:`kdn.modules.front_end`: :class:`DeltaFrontEnd` (projections, short convs, retention gate, gated output norm),
   :class:`ShortConv`, :class:`RMSNorm`, :class:`GatedRMSNorm`, :class:`Linear` / :func:`linear` (FP32 weight
-  gradients under autocast, stacked projections) and :func:`cached_weight_casts`;
+  gradients under autocast, stacked projections), :func:`stacked_weights` (the stack kept between decoding steps) and
+  :func:`cached_weight_casts`;
 - the fused CUDA kernels they call, imported on first use: :mod:`kdn.modules.conv` (short convs + L2 norms),
   :mod:`kdn.modules.norm` (residual add + RMSNorm), :mod:`kdn.modules.swiglu` (SwiGLU on the joint projection).
 """
@@ -25,11 +26,12 @@ from kdn.modules.front_end import (
     low_rank,
     positions_in_sequence,
     split_outputs,
+    stacked_weights,
     upcast,
 )
 
 __all__ = [
     "DeltaFrontEnd", "ShortConv", "RMSNorm", "GatedRMSNorm", "Linear", "linear", "low_rank", "input_stage", "finish",
-    "split_outputs", "cached_weight_casts", "current_mask", "positions_in_sequence", "inv_softplus", "kda_gate",
-    "l2_normalize", "fla_fused", "upcast", "L2_EPS",
+    "split_outputs", "stacked_weights", "cached_weight_casts", "current_mask", "positions_in_sequence",
+    "inv_softplus", "kda_gate", "l2_normalize", "fla_fused", "upcast", "L2_EPS",
 ]

@@ -251,6 +251,22 @@ def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None
     return F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
 
 
+def stacked_weights(owner: nn.Module, weights: list[Tensor], x: Tensor) -> Tensor:
+    """``cat(weights)`` ``[sum n_i, d]`` in the dtype :func:`linear` computes ``x``'s product in, kept on ``owner``
+    between calls (decoding steps, and the CUDA graphs that replay them, read it) while no weight changes: the key
+    holds each weight's address and version counter, which every in-place update (an optimiser step,
+    ``load_state_dict``) advances. Without it every decoding step copies these weights before its GEMM. For
+    inference (no autograd); it holds one copy of the weights on ``owner``."""
+    amp = torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in weights)
+    dtype = torch.get_autocast_dtype(x.device.type) if amp else weights[0].dtype
+    key = (dtype, *((w.data_ptr(), w._version) for w in weights))
+    cached = owner.__dict__.get("_stacked_weights")
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat([w.to(dtype) for w in weights]))
+        owner.__dict__["_stacked_weights"] = cached
+    return cached[1]
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` computed through :func:`linear` (FP32 weight gradients under autocast)."""
 
@@ -360,7 +376,8 @@ class DeltaFrontEnd(nn.Module):
         layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
         B, T = x.shape[:2]
         step = T == 1 and conv_state is not None and cu_seqlens is None and not torch.is_grad_enabled()
-        y = linear(x, self._stacked(layers, x) if step else [m.weight for m in layers.values()])
+        ws = [m.weight for m in layers.values()]
+        y = linear(x, stacked_weights(self, ws, x) if step else ws)
         fusable = self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused)
         if conv_state is None and not use_cache and fusable:
             from kdn.modules.conv import front_conv
@@ -390,21 +407,6 @@ class DeltaFrontEnd(nn.Module):
     def _conv_weight(self) -> Tensor:
         """The taps of the ``q, k, v`` convolutions, ``[2HK + HV, W]``."""
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-
-    def _stacked(self, layers: dict[str, nn.Linear], x: Tensor) -> Tensor:
-        """The input projections' weights stacked ``[sum out_features, d_model]`` in the dtype :func:`linear` computes
-        in, kept between decoding steps (and read by their CUDA graphs) while no weight changes: the key holds each
-        weight's address and version counter, which every in-place update (an optimiser step, ``load_state_dict``)
-        advances. Without it each step would copy these weights (about a third of a layer's) before its GEMM."""
-        ws = [m.weight for m in layers.values()]
-        amp = torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws)
-        dtype = torch.get_autocast_dtype(x.device.type) if amp else ws[0].dtype
-        key = (dtype, *((w.data_ptr(), w._version) for w in ws))
-        cached = self.__dict__.get("_stack")
-        if cached is None or cached[0] != key:
-            cached = (key, torch.cat([w.to(dtype) for w in ws]))
-            self.__dict__["_stack"] = cached
-        return cached[1]
 
     def gate_input(self, p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
         """With KDA's per-channel gate, its input ``f [B, T, H, K]`` and ``(A_log [H], dt_bias [H*K])``, for kernels
