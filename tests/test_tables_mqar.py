@@ -142,9 +142,9 @@ def test_missing_cells_failed_jobs_and_state_note(two_files: tuple[Path, Path]) 
     table = build_mqar_table(read_mqar(list(two_files)))
     assert rows_of(table)[(UNMATCHED, "attn")].cells["128x8/d128"] is None
     assert len(table.missing) == 2
-    assert table.missing[0].startswith("mqar / attn / 128x8 d128: ") and "mixers=attn settings=128x8 widths=128" in \
-        table.missing[0]
-    assert table.missing[1].startswith(f"mqar / {two_files[0]}: 4 failed job(s), e.g. 128x8_attn_d128_")
+    assert table.missing[0].startswith("mqar_recall / attn / 128x8 d128: ")
+    assert "mixers=attn settings=128x8 widths=128" in table.missing[0]
+    assert table.missing[1].startswith(f"mqar_recall / {two_files[0]}: 4 failed job(s), e.g. 128x8_attn_d128_")
     states = {w: (2 * (w // 64) * 64 * 64, 2 * (w // 64) * 64 * 64 + 2 * w) for w in (64, 128)}  # KDA, Diagonal KDN
     assert "; ".join(f"d{w} {lo:,}–{hi:,}" for w, (lo, hi) in states.items()) in table.spec.note
     assert "(of 0.001, 0.01)" in table.spec.note and table.runs == [str(p) for p in two_files]
@@ -200,29 +200,29 @@ def test_bad_files_get_one_line_errors(tmp_path: Path, two_files: tuple[Path, Pa
 
 def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_files: tuple[Path, Path]) -> None:
     runs, out = two_files[0].parents[2], tmp_path / "out"
-    with pytest.warns(UserWarning, match="mqar: 2 missing cell"):
+    with pytest.warns(UserWarning, match="mqar_recall: 2 missing cell"):
         assert main([str(runs), "--out", str(out)]) == 0  # both files found under RUNS_DIR
     for ext in ("md", "tex", "csv", "json"):
-        assert (out / f"mqar.{ext}").stat().st_size > 0 and (out / f"table1.{ext}").stat().st_size > 0
-    data = json.loads((out / "mqar.json").read_text())
+        assert (out / f"mqar_recall.{ext}").stat().st_size > 0 and (out / f"table1.{ext}").stat().st_size > 0
+    data = json.loads((out / "mqar_recall.json").read_text())
     assert [r["label"] for r in data["groups"][0]["rows"]] == ["kda", "kdn_diag", "Δ vs kda", "kdn_diag/mu=1",
                                                                "Δ vs kda"]
     cell = data["groups"][0]["rows"][1]["cells"]["128x8/d64"]
     xs = expected("kdn_diag", "128x8", 64, [0, 1, 2])
     assert cell["seeds"] == [0, 1, 2]
     assert rel(cell["mean"], sum(xs) / 3) < 1e-12 and cell["values"] == pytest.approx(xs, rel=1e-12)
-    assert "mqar / attn / 128x8 d128" in (out / "missing.txt").read_text()
+    assert "mqar_recall / attn / 128x8 d128" in (out / "missing.txt").read_text()
     assert "experiment=table1_750m_kda" in (out / "missing.txt").read_text()  # Tables 1-5 keep theirs
     only = tmp_path / "only"
     with pytest.warns(UserWarning, match="missing"):
         assert main(["--mqar", str(two_files[0]), "--mqar-reference", "kdn_diag", "--out", str(only)]) == 0
-    assert "| Δ vs kdn_diag |" in (only / "mqar.md").read_text() and not (only / "table1.md").exists()
+    assert "| Δ vs kdn_diag |" in (only / "mqar_recall.md").read_text() and not (only / "table1.md").exists()
     assert as_json(build_mqar_table(read_mqar([two_files[0]])))["runs"] == [str(two_files[0])]
     write_results(runs / "mqar" / "other" / "mqar.json", ["mixers=kda", "widths=64", "settings=64x4", "seeds=7",
                                                           "epochs=2"])
     (out / "table1.md").unlink()
-    with pytest.warns(UserWarning), pytest.raises(SystemExit, match=r"eval.tables: mqar: setting 64x4 differs .* "
-                                                                   r"epochs \(1 vs 2\)"):
+    refusal = r"eval.tables: mqar_recall: setting 64x4 differs .* epochs \(1 vs 2\)"
+    with pytest.warns(UserWarning), pytest.raises(SystemExit, match=refusal):
         main([str(runs), "--out", str(out)])
     assert (out / "table1.md").is_file()  # the other tables are written before the refusal
     with pytest.raises(SystemExit):

@@ -1,9 +1,9 @@
-"""``python -m eval.tables RUNS_DIR [--paper] [--out DIR] [--tables table1,table4,mqar] [--no-diff]
+"""``python -m eval.tables RUNS_DIR [--paper] [--out DIR] [--tables table1,table4,mqar_recall] [--no-diff]
 [--throughput bench/results/mixer_throughput.json] [--mqar FILE [FILE ...]] [--mqar-reference kda]``.
 
 Writes ``<id>.md/.tex/.csv/.json`` per table, ``runs.md`` (what was found), ``missing.txt``,
 ``loss_curves.png`` and, with ``--throughput``, ``fig4_throughput.png/.pdf`` into ``--out``. The MQAR recall table
-(``mqar.*``) is built from the ``mqar.json`` files under RUNS_DIR, or from those ``--mqar`` names instead.
+(``mqar_recall.*``) is built from the ``mqar.json`` files under RUNS_DIR, or from those ``--mqar`` names instead.
 """
 from __future__ import annotations
 

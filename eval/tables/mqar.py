@@ -21,7 +21,7 @@ from typing import Any
 from eval.tables.model import Cell, Group, Row, SettingsMismatch, Table, diff_row, mark_bold
 from eval.tables.specs import Column, TableSpec
 
-MQAR_ID = "mqar"
+MQAR_ID = "mqar_recall"  # not "mqar": its files would overwrite eval.mqar's mqar.json and mqar.md
 RESULTS_NAME = "mqar.json"
 DEFAULT_REFERENCE = "kda"
 JOB_KEYS = ("setting", "mixer", "width", "lr", "seed", "valid_acc", "test_acc", "diverged", "state",
