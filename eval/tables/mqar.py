@@ -147,7 +147,7 @@ def build_mqar_table(files: list[MQARFile], *, reference: str = DEFAULT_REFERENC
 
     Args: ``files``: from :func:`read_mqar`; ``reference``: the mixer the paired differences are taken against;
     ``diffs``: add a ``Δ vs <reference>`` row under each matched-state mixer.
-    Returns: a :class:`Table` (id ``mqar``) for the renderers of :mod:`eval.tables.render`; its ``missing`` lists
+    Returns: a :class:`Table` (id ``mqar_recall``) for the renderers of :mod:`eval.tables.render`; its ``missing`` lists
     the empty cells and the jobs that failed. Raises: :class:`SettingsMismatch` for one setting trained with
     different budgets; ``ValueError`` for a job held by two files."""
     from eval.mqar import summarize
