@@ -13,9 +13,19 @@ from eval.mqar.run import SCHEMA
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    """A results JSON written by ``python -m eval.mqar``; raises naming the problem for anything else."""
-    data = json.loads(Path(path).read_text())
-    if data.get("benchmark") != "mqar" or data.get("schema") != SCHEMA:
+    """A results JSON written by ``python -m eval.mqar``; a one-line ``ValueError`` naming the problem and the fix for
+    a missing or unreadable file, invalid JSON, or JSON of another kind."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {path} ({err.strerror or err}); pass the mqar.json that python -m eval.mqar "
+                         "writes") from None
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+        reason = str(err).splitlines()[0]
+        raise ValueError(f"{path} is not valid JSON ({reason}); rerun the python -m eval.mqar command that wrote it "
+                         "(its stored jobs are reused) to rewrite it") from None
+    if not isinstance(data, dict) or data.get("benchmark") != "mqar" or data.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not an MQAR results file of schema {SCHEMA}; write one with python -m eval.mqar")
     return data
 

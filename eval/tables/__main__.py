@@ -1,8 +1,9 @@
-"""``python -m eval.tables RUNS_DIR [--paper] [--out DIR] [--tables table1,table4] [--no-diff]
-[--throughput bench/results/mixer_throughput.json]``.
+"""``python -m eval.tables RUNS_DIR [--paper] [--out DIR] [--tables table1,table4,mqar_recall] [--no-diff]
+[--throughput bench/results/mixer_throughput.json] [--mqar FILE [FILE ...]] [--mqar-reference kda]``.
 
 Writes ``<id>.md/.tex/.csv/.json`` per table, ``runs.md`` (what was found), ``missing.txt``,
-``loss_curves.png`` and, with ``--throughput``, ``fig4_throughput.png/.pdf`` into ``--out``.
+``loss_curves.png`` and, with ``--throughput``, ``fig4_throughput.png/.pdf`` into ``--out``. The MQAR recall table
+(``mqar_recall.*``) is built from the ``mqar.json`` files under RUNS_DIR, or from those ``--mqar`` names instead.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from eval.tables.figures import loss_curves, throughput_figure
 from eval.tables.model import build_table
+from eval.tables.mqar import DEFAULT_REFERENCE, MQAR_ID, build_mqar_table, find_mqar, read_mqar
 from eval.tables.render import write_atomic, write_table
 from eval.tables.runs import Run, find_runs
 from eval.tables.specs import TABLES
@@ -37,30 +39,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs_dir", nargs="?", help="folder holding the run directories (config.yaml, eval/*.json)")
     ap.add_argument("--paper", action="store_true", help="add the paper's published numbers as reference rows")
     ap.add_argument("--out", default="tables", help="output folder (default: tables/)")
-    ap.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated subset of {','.join(TABLES)}")
+    choices = ",".join([*TABLES, MQAR_ID])
+    ap.add_argument("--tables", default=choices, help=f"comma-separated subset of {choices}")
     ap.add_argument("--no-diff", action="store_true", help="leave out the paired differences against the reference")
     ap.add_argument("--throughput", help="bench.mixer_throughput JSON to plot as Fig. 4")
+    ap.add_argument("--mqar", nargs="+", metavar="FILE", help="python -m eval.mqar results JSONs (or folders of "
+                    "them) for the MQAR table, merged; default: every mqar.json under RUNS_DIR")
+    ap.add_argument("--mqar-reference", default=DEFAULT_REFERENCE, metavar="MIXER",
+                    help=f"mixer the MQAR table's paired differences are taken against (default: {DEFAULT_REFERENCE})")
     args = ap.parse_args(argv)
-    if args.runs_dir is None and args.throughput is None:
-        ap.error("give RUNS_DIR (tables, loss curves) and/or --throughput FILE (Fig. 4)")
+    if args.runs_dir is None and args.throughput is None and not args.mqar:
+        ap.error("give RUNS_DIR (tables, loss curves), --mqar FILE (MQAR table) and/or --throughput FILE (Fig. 4)")
+    ids = [t.strip() for t in args.tables.split(",") if t.strip()]
+    unknown = [t for t in ids if t not in TABLES and t != MQAR_ID]
+    if unknown:
+        ap.error(f"unknown table(s) {unknown}; choose from {choices}")
+    if args.mqar and MQAR_ID not in ids:
+        ap.error(f"--mqar given but --tables leaves out {MQAR_ID}; add it to --tables")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.throughput:
         for p in throughput_figure(args.throughput, out):
             print(f"wrote {p}")
-    if args.runs_dir is None:
-        return 0
-    ids = [t.strip() for t in args.tables.split(",") if t.strip()]
-    unknown = [t for t in ids if t not in TABLES]
-    if unknown:
-        ap.error(f"unknown table(s) {unknown}; choose from {','.join(TABLES)}")
-    runs = find_runs(args.runs_dir)
+    missing = tables_of_runs(args.runs_dir, [t for t in ids if t in TABLES], out, paper=args.paper,
+                             diffs=not args.no_diff) if args.runs_dir is not None else []
+    mqar_paths = args.mqar or (find_mqar(args.runs_dir) if args.runs_dir is not None else [])
+    if MQAR_ID in ids and mqar_paths:
+        try:
+            table = build_mqar_table(read_mqar(mqar_paths), reference=args.mqar_reference, diffs=not args.no_diff)
+        except ValueError as err:  # bad file, mixed budgets, duplicate job: one line, the other tables are written
+            raise SystemExit(f"eval.tables: {err}") from None
+        for p in write_table(table, out):
+            print(f"wrote {p}")
+        if table.missing:
+            warnings.warn(f"{MQAR_ID}: {len(table.missing)} missing cell(s):\n  " + "\n  ".join(table.missing),
+                          stacklevel=1)
+        missing += table.missing
+        write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
+    return 0
+
+
+def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, diffs: bool) -> list[str]:
+    """Write ``runs.md``, the tables ``ids``, ``missing.txt`` and the loss curves of the runs under ``runs_dir``
+    into ``out``; returns the missing cells."""
+    runs = find_runs(runs_dir)
     if not runs:
-        warnings.warn(f"no run (config.yaml or eval/<suite>.json) under {args.runs_dir}", stacklevel=1)
+        warnings.warn(f"no run (config.yaml or eval/<suite>.json) under {runs_dir}", stacklevel=1)
     write_atomic(out / "runs.md", inventory(runs))
     missing: list[str] = []
     for tid in ids:
-        table = build_table(TABLES[tid], runs, paper=args.paper, diffs=not args.no_diff)
+        table = build_table(TABLES[tid], runs, paper=paper, diffs=diffs)
         for p in write_table(table, out):
             print(f"wrote {p}")
         if table.missing:
@@ -71,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     curves = loss_curves(runs, out / "loss_curves.png")
     if curves is not None:
         print(f"wrote {curves}")
-    return 0
+    return missing
 
 
 if __name__ == "__main__":

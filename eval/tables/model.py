@@ -184,7 +184,9 @@ def _our_row(spec: TableSpec, row: RowSpec, by_exp: dict[Experiment, list[Run]],
     return Row(row.label, "ours", cells, row.key)
 
 
-def _diff_row(row: Row, ref: Row, label: str, columns: tuple[Column, ...]) -> Row | None:
+def diff_row(row: Row, ref: Row, label: str, columns: tuple[Column, ...]) -> Row | None:
+    """``row - ref`` per column over the seeds both cells have, labelled ``Δ vs <label>``; ``None`` when no column
+    has a common seed."""
     cells: dict[str, Cell | None] = {}
     for col in columns:
         a, b = row.cells.get(col.key), ref.cells.get(col.key)
@@ -199,7 +201,8 @@ def _diff_row(row: Row, ref: Row, label: str, columns: tuple[Column, ...]) -> Ro
     return Row(f"Δ vs {label}", "diff", cells, row.key)
 
 
-def _bold(rows: list[Row], columns: tuple[Column, ...]) -> None:
+def mark_bold(rows: list[Row], columns: tuple[Column, ...]) -> None:
+    """Bold the best mean (to two decimals) of the ``ours`` rows per column, where at least two rows have one."""
     for col in columns:
         cands = [r.cells[col.key] for r in rows if r.kind == "ours" and r.cells.get(col.key) is not None]
         if len(cands) < 2:
@@ -242,14 +245,14 @@ def build_table(spec: TableSpec, runs: list[Run], *, paper: bool = False, diffs:
 def _group(spec: TableSpec, g: GroupSpec, by_exp: dict[Experiment, list[Run]], identities: dict[str, Experiment],
            missing: list[str], used: set[str], *, paper: bool, diffs: bool) -> Group:
     ours = [_our_row(spec, r, by_exp, identities, missing, used) for r in g.rows]
-    _bold(ours, spec.columns)
+    mark_bold(ours, spec.columns)
     ref = next((r for r in ours if r.key == g.reference), None)
     ref_label = next((r.label for r in g.rows if r.key == g.reference), "")
     rows: list[Row] = []
     for spec_row, row in zip(g.rows, ours):
         rows.append(row)
         if diffs and ref is not None and row is not ref:
-            d = _diff_row(row, ref, ref_label, spec.columns)
+            d = diff_row(row, ref, ref_label, spec.columns)
             if d is not None:
                 rows.append(d)
         if paper:
