@@ -85,7 +85,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
-    """Worker: train ``job`` on ``device``, store and return its record; a job that raises returns
+    """In a pool process: train ``job`` on ``device``, store and return its record; a job that raises returns
     ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
     job, device, out, threads, commit = args
     torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from eval.tables.figures import loss_curves, throughput_figure
-from eval.tables.model import build_table
+from eval.tables.model import Table, build_table
 from eval.tables.mqar import DEFAULT_REFERENCE, MQAR_ID, build_mqar_table, find_mqar, read_mqar
 from eval.tables.render import write_atomic, write_table
 from eval.tables.runs import Run, find_runs
@@ -69,14 +69,18 @@ def main(argv: list[str] | None = None) -> int:
             table = build_mqar_table(read_mqar(mqar_paths), reference=args.mqar_reference, diffs=not args.no_diff)
         except ValueError as err:  # bad file, mixed budgets, duplicate job: one line, the other tables are written
             raise SystemExit(f"eval.tables: {err}") from None
-        for p in write_table(table, out):
-            print(f"wrote {p}")
-        if table.missing:
-            warnings.warn(f"{MQAR_ID}: {len(table.missing)} missing cell(s):\n  " + "\n  ".join(table.missing),
-                          stacklevel=1)
-        missing += table.missing
+        missing += emit(table, MQAR_ID, out)
         write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
     return 0
+
+
+def emit(table: Table, tid: str, out: Path) -> list[str]:
+    """Write ``table`` (every rendering) into ``out``, warn of its missing cells and return them."""
+    for p in write_table(table, out):
+        print(f"wrote {p}")
+    if table.missing:
+        warnings.warn(f"{tid}: {len(table.missing)} missing cell(s):\n  " + "\n  ".join(table.missing), stacklevel=1)
+    return table.missing
 
 
 def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, diffs: bool) -> list[str]:
@@ -88,13 +92,7 @@ def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, dif
     write_atomic(out / "runs.md", inventory(runs))
     missing: list[str] = []
     for tid in ids:
-        table = build_table(TABLES[tid], runs, paper=paper, diffs=diffs)
-        for p in write_table(table, out):
-            print(f"wrote {p}")
-        if table.missing:
-            warnings.warn(f"{tid}: {len(table.missing)} missing cell(s):\n  " + "\n  ".join(table.missing),
-                          stacklevel=1)
-        missing += table.missing
+        missing += emit(build_table(TABLES[tid], runs, paper=paper, diffs=diffs), tid, out)
     write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
     curves = loss_curves(runs, out / "loss_curves.png")
     if curves is not None:
