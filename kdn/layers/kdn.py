@@ -119,9 +119,9 @@ class _KalmanDelta(nn.Module):
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
+        static = getattr(past_key_values, "static", False)  # a static decoding cache: its buffers update in place
         p, conv = self.front.inputs(x, {"r": getattr(self, "r_proj", None), "omega": getattr(self, "omega_proj", None)},
-                                    last["conv"] if last else None, cu_seqlens, use_cache,
-                                    static=getattr(past_key_values, "static", False))
+                                    last["conv"] if last else None, cu_seqlens, use_cache, static=static)
         q, k, v = p["q"], p["k"], p["v"]
         decoding = T == 1 and last is not None and cu_seqlens is None
         # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;
@@ -144,7 +144,7 @@ class _KalmanDelta(nn.Module):
         if decoding:  # one recurrent step
             w = F.softplus(upcast(omega[:, 0])) if logits else omega[:, 0]
             args = (q[:, 0] * scale, k[:, 0], v[:, 0], g[:, 0], w, r[:, 0])
-            if getattr(past_key_values, "static", False) and q.is_cuda and not torch.is_grad_enabled():
+            if static and q.is_cuda and not torch.is_grad_enabled():
                 o, final = self.static_step(*args, state)
             else:
                 step = api.isotropic_kdn_step if self.isotropic else api.diagonal_kdn_step
