@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from eval.mqar import build_jobs, model_config, parse_overrides, state_elements, summarize
-from eval.mqar.run import header
+from eval.mqar import build_jobs, flatten, model_config, parse_overrides, state_elements, summarize
+from eval.mqar.run import SCHEMA, header
 from eval.tables import SettingsMismatch, as_json, build_mqar_table, csv_text, latex, markdown, read_mqar
 from eval.tables.__main__ import main
 from eval.tables.mqar import MATCHED, UNMATCHED
@@ -36,24 +36,24 @@ def acc_test(mixer: str, setting: str, width: int, lr: float, seed: int) -> floa
     return acc_valid(mixer, lr, seed) - 0.03 + 0.007 * seed ** 2 + width / 1e4 + (0.004 if setting == "128x8" else 0)
 
 
-def write_results(path: Path, argv: list[str], drop: tuple[str, str, int] | None = None) -> Path:
-    """An MQAR results JSON as ``python -m eval.mqar`` composes it (header, summarize, write_json_atomic), from job
-    records of the accuracies above; ``drop``: a ``(setting, mixer, width)`` whose jobs failed."""
+def write_results(path: Path, argv: list[str], drop: tuple[str, int] | None = None) -> Path:
+    """An MQAR results JSON as ``python -m eval.mqar`` composes it (header, flatten, summarize, write_json_atomic),
+    from job results of the accuracies above; ``drop``: a ``(mixer, width)`` whose jobs failed."""
     cfg, _ = parse_overrides([f"lrs={','.join(map(str, LRS))}", *argv, "preset=cpu", f"out={path.parent}",
                               f"results={path}"])
     records, failed = [], []
     for j in build_jobs(cfg):
-        if drop == (j.setting.name, j.mixer.label, j.width):
+        if drop == (j.mixer.label, j.width):
             failed.append({"job": j.name, "error": "RuntimeError: out of memory"})
             continue
-        state, recurrent = state_elements(model_config(j.mixer, j.width, cfg.head_dim, cfg.vocab_size),
-                                          j.setting.seq_len)
-        records.append({"setting": j.setting.name, "mixer": j.mixer.label, "width": j.width, "lr": j.lr,
-                        "seed": j.seed, "valid_acc": acc_valid(j.mixer.label, j.lr, j.seed),
-                        "test_acc": acc_test(j.mixer.label, j.setting.name, j.width, j.lr, j.seed),
-                        "final_loss": 1.5, "diverged": False, "steps": 200, "total_steps": 200, "state": state,
-                        "state_recurrent": recurrent, "num_heads": j.width // 64, "head_dim": 64, "params": 12345,
-                        "train_s": 2.0, "wall_s": 2.5})
+        model = model_config(j.mixer, j.width, cfg.head_dim, cfg.vocab_size)
+        scores = [{"setting": s.name, "valid_acc": acc_valid(j.mixer.label, j.lr, j.seed),
+                   "test_acc": acc_test(j.mixer.label, s.name, j.width, j.lr, j.seed),
+                   **dict(zip(("state", "state_recurrent"), state_elements(model, s.seq_len)))} for s in j.settings]
+        records += flatten({"mixer": j.mixer.label, "width": j.width, "lr": j.lr, "seed": j.seed, "records": scores,
+                            "curve": [], "final_loss": 1.5, "diverged": False, "steps": 200, "total_steps": 200,
+                            "num_heads": j.width // 64, "head_dim": 64, "params": 12345, "train_s": 2.0,
+                            "wall_s": 2.5})
     data = {**header(cfg, 10.0, "abc123"), "jobs_wall_s": 2.5 * len(records), "failed_jobs": failed,
             "rows": summarize(records, cfg), "jobs": sorted(records, key=lambda r: (
                 r["setting"], r["mixer"], r["width"], r["lr"], r["seed"]))}
@@ -66,9 +66,9 @@ GRID = ["widths=64,128", "settings=64x4,128x8"]
 
 @pytest.fixture
 def two_files(tmp_path: Path) -> tuple[Path, Path]:
-    """Seeds 0, 1 of every mixer (attn's 128x8 d128 jobs failed) and, run separately, seed 2 of the KDN rows."""
+    """Seeds 0, 1 of every mixer (attn's d128 jobs failed) and, run separately, seed 2 of the KDN rows."""
     a = write_results(tmp_path / "runs" / "mqar" / "a" / "mqar.json",
-                      [f"mixers={','.join(MIXERS)}", *GRID, "seeds=0,1"], drop=("128x8", "attn", 128))
+                      [f"mixers={','.join(MIXERS)}", *GRID, "seeds=0,1"], drop=("attn", 128))
     b = write_results(tmp_path / "runs" / "mqar" / "b" / "mqar.json", ["mixers=kdn_diag,kdn_diag/mu=1", *GRID,
                                                                        "seeds=2"])
     return a, b
@@ -140,11 +140,12 @@ def test_paired_difference_against_kda(two_files: tuple[Path, Path]) -> None:
 
 def test_missing_cells_failed_jobs_and_state_note(two_files: tuple[Path, Path]) -> None:
     table = build_mqar_table(read_mqar(list(two_files)))
-    assert rows_of(table)[(UNMATCHED, "attn")].cells["128x8/d128"] is None
+    attn = rows_of(table)[(UNMATCHED, "attn")].cells
+    assert attn["64x4/d128"] is None and attn["128x8/d128"] is None and attn["128x8/d64"] is not None
     assert len(table.missing) == 2
-    assert table.missing[0].startswith("mqar_recall / attn / 128x8 d128: ")
-    assert "mixers=attn settings=128x8 widths=128" in table.missing[0]
-    assert table.missing[1].startswith(f"mqar_recall / {two_files[0]}: 4 failed job(s), e.g. 128x8_attn_d128_")
+    assert table.missing[0].startswith("mqar_recall / attn / 64x4 d128, 128x8 d128: ")
+    assert "mixers=attn settings=64x4,128x8 widths=128" in table.missing[0]
+    assert table.missing[1].startswith(f"mqar_recall / {two_files[0]}: 4 failed job(s), e.g. attn_d128_")
     states = {w: (2 * (w // 64) * 64 * 64, 2 * (w // 64) * 64 * 64 + 2 * w) for w in (64, 128)}  # KDA, Diagonal KDN
     assert "; ".join(f"d{w} {lo:,}–{hi:,}" for w, (lo, hi) in states.items()) in table.spec.note
     assert "(of 0.001, 0.01)" in table.spec.note and table.runs == [str(p) for p in two_files]
@@ -158,13 +159,13 @@ def test_mixed_budgets_and_duplicate_jobs_are_refused(tmp_path: Path, two_files:
     a = two_files[0]
     small = write_results(tmp_path / "c" / "mqar.json", ["mixers=kdn_diag", "widths=64", "settings=64x4", "seeds=5",
                                                          "train_examples=3200"])
-    with pytest.raises(SettingsMismatch, match=r"setting 64x4 differs .* in train_examples \(6400 vs 3200\)") as err:
+    with pytest.raises(SettingsMismatch, match=r"setting 64x4 differs .* in train_mix \(\[\['64x4', 6400\], ") as err:
         build_mqar_table(read_mqar([a, small]))
     assert "\n" not in str(err.value) and str(small) in str(err.value)
     sweep = write_results(tmp_path / "d" / "mqar.json", ["mixers=kdn_diag", "widths=64", "settings=64x4", "seeds=5",
-                                                          "batch_size=16", "lrs=0.001,0.003"])
-    with pytest.raises(SettingsMismatch, match=r"in batch_size \(32 vs 16\), lrs \(\[0.001, 0.01\] vs "
-                                               r"\[0.001, 0.003\]\);"):
+                                                          "batch_tokens=512", "lrs=0.001,0.003"])
+    with pytest.raises(SettingsMismatch, match=r"in batch_tokens \(2048 vs 512\), lrs \(\[0.001, 0.01\] vs "
+                                               r"\[0.001, 0.003\]\), train_mix"):
         build_mqar_table(read_mqar([a, sweep]))
     # another setting with another budget shares no column with a's rows: accepted
     other = write_results(tmp_path / "e" / "mqar.json", ["mixers=kda", "widths=64", "settings=256x16", "seeds=0",
@@ -190,7 +191,8 @@ def test_bad_files_get_one_line_errors(tmp_path: Path, two_files: tuple[Path, Pa
     no_jobs.write_text(json.dumps({k: v for k, v in json.loads(two_files[0].read_text()).items() if k != "jobs"}))
     (tmp_path / "empty").mkdir()
     for path, match in ((not_json, "is not valid JSON .* rerun the python -m eval.mqar command"),
-                        (lm, "is not an MQAR results file of schema 1"), (listed, "is not an MQAR results file"),
+                        (lm, f"is not an MQAR results file of schema {SCHEMA}"),
+                        (listed, "is not an MQAR results file"),
                         (tmp_path / "absent.json", "cannot read .*absent.json"),
                         (no_jobs, "has no 'jobs' records"), (tmp_path / "empty", "no mqar.json under")):
         with pytest.raises(ValueError, match=match) as err:
@@ -211,7 +213,7 @@ def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_file
     xs = expected("kdn_diag", "128x8", 64, [0, 1, 2])
     assert cell["seeds"] == [0, 1, 2]
     assert rel(cell["mean"], sum(xs) / 3) < 1e-12 and cell["values"] == pytest.approx(xs, rel=1e-12)
-    assert "mqar_recall / attn / 128x8 d128" in (out / "missing.txt").read_text()
+    assert "mqar_recall / attn / 64x4 d128, 128x8 d128" in (out / "missing.txt").read_text()
     assert "experiment=table1_750m_kda" in (out / "missing.txt").read_text()  # Tables 1-5 keep theirs
     only = tmp_path / "only"
     with pytest.warns(UserWarning, match="missing"):

@@ -19,23 +19,28 @@ LONG_SETTINGS = ("1024x128", "2048x256")
 class MQARConfig:
     """Everything a benchmark run depends on; ``preset`` fills the budget, explicit keys override it.
 
-    The grid is ``mixers x widths x settings x lrs x seeds``, one model per cell. The learning rate is chosen per
-    ``(mixer, width, setting)`` by the mean validation accuracy over seeds; the test accuracy at that rate is
-    reported. Each setting trains on ``min(train_examples, max_train_tokens // seq_len)`` examples.
+    The grid is ``mixers x widths x lrs x seeds``, one model per cell, each trained once on the mixture of all
+    ``settings`` (Zoology's protocol) and scored on each of them and of ``test_settings`` (scored only: longer
+    sequences with more pairs than any training sequence, as in Zoology's test set):
+    ``min(train_examples, max_train_tokens // seq_len)`` examples per setting, in batches of
+    ``batch_tokens // seq_len`` sequences, ``epochs`` passes. The learning rate is chosen per
+    ``(setting, mixer, width)`` by the mean validation accuracy over seeds; the test accuracy at that rate is
+    reported.
     """
 
     preset: str = "auto"
     mixers: list[str] = field(default_factory=lambda: list(ALL_MIXERS))
     widths: list[int] = field(default_factory=lambda: [64, 128, 256])
-    settings: list[str] = field(default_factory=lambda: [*ZOOLOGY_SETTINGS, *LONG_SETTINGS])
+    settings: list[str] = field(default_factory=lambda: list(ZOOLOGY_SETTINGS))
+    test_settings: list[str] = field(default_factory=lambda: list(LONG_SETTINGS))
     seeds: list[int] = field(default_factory=lambda: [0])
-    lrs: list[float] = field(default_factory=lambda: [5e-4, 2e-3, 8e-3])
+    lrs: list[float] = field(default_factory=lambda: [1e-4, 3e-4, 1e-3])
     train_examples: int = 100_000
-    max_train_tokens: int = 25_000_000
+    max_train_tokens: int = 4_194_304
     valid_examples: int = 1_000
     test_examples: int = 3_000
-    batch_size: int = 64
-    epochs: int = 1
+    batch_tokens: int = 32_768
+    epochs: int = 8
     vocab_size: int = 8192
     power_a: float = 0.01
     head_dim: int = 64
@@ -52,18 +57,32 @@ class MQARConfig:
     results: str = ""
 
     def setting_objects(self) -> list[MQARSetting]:
-        """``settings`` parsed (raises on a malformed or impossible one)."""
+        """``settings`` (the training mixture) parsed; raises on a malformed or impossible one."""
         return [MQARSetting.parse(s, self.vocab_size, self.power_a) for s in self.settings]
+
+    def scored_names(self) -> list[str]:
+        """Every setting a model is scored on: ``settings``, then the ``test_settings`` not among them."""
+        return [*self.settings, *(s for s in self.test_settings if s not in self.settings)]
+
+    def scored_settings(self) -> list[MQARSetting]:
+        """:meth:`scored_names` parsed."""
+        return [MQARSetting.parse(s, self.vocab_size, self.power_a) for s in self.scored_names()]
 
     def mixer_choices(self) -> list[MixerChoice]:
         """``mixers`` parsed (raises on an unknown mixer or option)."""
         return [MixerChoice.parse(m) for m in self.mixers]
 
-    def budget(self, setting: MQARSetting) -> Budget:
-        """The training budget of one setting."""
-        n = min(self.train_examples, max(self.batch_size, self.max_train_tokens // setting.seq_len))
-        return Budget(train_examples=n, valid_examples=self.valid_examples, test_examples=self.test_examples,
-                      batch_size=self.batch_size, epochs=self.epochs, warmup_frac=self.warmup_frac,
+    def budget(self) -> Budget:
+        """The training budget of every model of the grid."""
+        if self.batch_tokens < 1 or self.epochs < 1:
+            raise ValueError(f"batch_tokens and epochs must be >= 1, got {self.batch_tokens} and {self.epochs}")
+        mix = []
+        for s in self.setting_objects():
+            batch = max(1, self.batch_tokens // s.seq_len)
+            n = min(self.train_examples, self.max_train_tokens // s.seq_len)
+            mix.append((s.name, max(batch, n // batch * batch)))
+        return Budget(train_mix=tuple(mix), valid_examples=self.valid_examples, test_examples=self.test_examples,
+                      batch_tokens=self.batch_tokens, epochs=self.epochs, warmup_frac=self.warmup_frac,
                       min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
                       betas=(float(self.betas[0]), float(self.betas[1])), eps=self.eps, grad_clip=self.grad_clip,
                       head_dim=self.head_dim, vocab_size=self.vocab_size, power_a=self.power_a)
@@ -71,12 +90,12 @@ class MQARConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {},
-    "smoke": {"train_examples": 8_000, "max_train_tokens": 2_000_000, "valid_examples": 256, "test_examples": 512},
-    "cpu": {"widths": [64], "settings": ["64x4"], "train_examples": 6_400, "valid_examples": 256,
-            "test_examples": 512, "batch_size": 32, "lrs": [1e-3, 3e-3, 1e-2]},
+    "smoke": {"max_train_tokens": 262_144, "epochs": 1, "valid_examples": 256, "test_examples": 512},
+    "cpu": {"widths": [64], "settings": ["64x4"], "test_settings": [], "train_examples": 6_400, "valid_examples": 256,
+            "test_examples": 512, "batch_tokens": 2_048, "epochs": 1, "lrs": [1e-3, 3e-3, 1e-2]},
 }
-"""``full``: the default grid (one H200: see docs/mqar.md); ``smoke``: every mixer, width and setting with about a
-tenth of the steps (a GPU check of the whole pipeline); ``cpu``: the smallest setting at width 64, for a laptop.
+"""``full``: the default grid (one H200: see docs/mqar.md); ``smoke``: every mixer, width and setting with one pass
+over 5 % of the tokens (a GPU check of the whole pipeline); ``cpu``: the smallest setting at width 64, for a laptop.
 ``auto`` is ``full`` when CUDA is available and ``cpu`` otherwise."""
 
 
@@ -115,7 +134,8 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; use one of {['auto', *PRESETS]}")
     cfg = MQARConfig(**{**PRESETS[preset], **explicit, "preset": preset})
-    cfg.setting_objects()  # validates the settings and the mixers now, not after the first job
+    cfg.budget()  # validates the settings, the budget and the mixers now, not after the first job
+    cfg.scored_settings()
     cfg.mixer_choices()
     if not cfg.out:
         cfg.out = f"runs/mqar/{preset}"

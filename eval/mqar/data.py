@@ -8,15 +8,15 @@ without replacement with probability ``p(g) ∝ (g + 1)^(power_a - 1)`` (a power
 the context, a few far away). Every other token of that region is uniform over the whole vocabulary. The label of
 a query position is its key's value (the model predicts it on reading the key); every other label is ``-100``.
 
-Examples are generated in blocks of ``block`` sequences, block ``j`` of a split from its own seed, so a split is a
-fixed, finite set of examples that needs no file and reads the same on any device.
+Examples are generated in blocks of :data:`GEN_BLOCK` sequences, block ``j`` of a split from its own seed, so a
+split is a fixed, finite set of examples that needs no file and reads the same on any device.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -102,32 +102,61 @@ def generate(setting: MQARSetting, n: int, seed: int) -> tuple[Tensor, Tensor]:
     return inputs, labels
 
 
-class MQARSplit:
-    """A fixed split of ``n`` examples in blocks of ``block``; ``batches(epoch)`` yields ``(inputs, labels)``.
+GEN_BLOCK = 256
+"""Examples per generation block: a split is blocks ``0, 1, ...`` of this many sequences, so its content does not
+depend on the batch size that trains or scores it."""
 
-    Block ``j`` comes from :func:`block_seed` ``(seed, split, setting, j)``; an epoch visits the blocks in an order
-    drawn from ``(seed, epoch)`` (``shuffle``), so each batch is one block. ``n`` is rounded up to whole blocks.
+
+@lru_cache(maxsize=64)
+def _split_tensors(setting: MQARSetting, split: str, n: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Blocks ``0 .. ceil(n / GEN_BLOCK) - 1`` of a split, cut to ``n`` examples: ``inputs [n, T]`` (int32),
+    ``positions [n, P]`` (int64, ascending) and ``values [n, P]`` (int64). Cached: a worker trains many models on
+    one split."""
+    xs, ys = zip(*(generate(setting, GEN_BLOCK, block_seed(seed, split, setting, j))
+                   for j in range(-(-n // GEN_BLOCK))))
+    inputs, labels = torch.cat(xs)[:n], torch.cat(ys)[:n]
+    positions = (labels != IGNORE).nonzero()[:, 1].view(n, setting.pairs)
+    return inputs.int(), positions, labels.gather(1, positions)
+
+
+class MQARSplit:
+    """A fixed split of ``n`` examples of one setting, scored or trained in batches of ``batch`` examples.
+
+    The examples are blocks of :data:`GEN_BLOCK` sequences, block ``j`` from :func:`block_seed` ``(seed, split,
+    setting, j)``. ``batches`` yields ``(inputs [b, T], positions [b, P], values [b, P])`` on a device: the answers
+    are ``values[i, p]`` at ``inputs[i, positions[i, p]]``, every sequence having exactly ``P`` of them, so the
+    loss needs no boolean mask (and no host synchronisation).
     """
 
-    def __init__(self, setting: MQARSetting, split: str, n: int, block: int, seed: int = 0) -> None:
-        if n < 1 or block < 1:
-            raise ValueError(f"a split needs n >= 1 examples and block >= 1, got n={n}, block={block}")
-        self.setting, self.split, self.block, self.seed = setting, split, block, seed
-        self.num_blocks = -(-n // block)
+    def __init__(self, setting: MQARSetting, split: str, n: int, batch: int, seed: int = 0) -> None:
+        if n < 1 or batch < 1:
+            raise ValueError(f"a split needs n >= 1 examples and batch >= 1, got n={n}, batch={batch}")
         block_seed(seed, split, setting, 0)  # validates the split name
+        self.setting, self.split, self.n, self.batch, self.seed = setting, split, n, batch, seed
 
     def __len__(self) -> int:
-        return self.num_blocks
+        """Batches per pass: ``ceil(n / batch)``."""
+        return -(-self.n // self.batch)
 
-    def get(self, j: int) -> tuple[Tensor, Tensor]:
-        """Block ``j``: ``inputs [block, T]``, ``labels [block, T]``."""
-        return generate(self.setting, self.block, block_seed(self.seed, self.split, self.setting, j))
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """All examples on the CPU: ``inputs [n, T]`` (int32), ``positions [n, P]``, ``values [n, P]``."""
+        return _split_tensors(self.setting, self.split, self.n, self.seed)
 
-    def batches(self, epoch: int = 0, shuffle: bool = False) -> Iterator[tuple[Tensor, Tensor]]:
-        """Every block once, in order or in the order of ``(seed, epoch)``."""
-        order = range(self.num_blocks)
-        if shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(self.num_blocks, generator=g).tolist()
-        for j in order:
-            yield self.get(j)
+    def labels(self) -> Tensor:
+        """``[n, T]``: the value at each answer position, ``-100`` elsewhere (the form :func:`generate` returns)."""
+        inputs, positions, values = self.tensors()
+        return torch.full(inputs.shape, IGNORE, dtype=torch.int64).scatter_(1, positions, values)
+
+    def order(self, epoch: int) -> Tensor:
+        """``[n]``: the example order of one training pass, drawn from ``(seed, epoch)``."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def batches(self, device: torch.device | str = "cpu", order: Tensor | None = None
+                ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """Every example once, in ``order`` (default: stored order), as ``batch``-sized ``(inputs, positions,
+        values)`` on ``device`` (the last batch may be smaller); ``inputs`` are int64."""
+        inputs, positions, values = (t.to(device, non_blocking=True) for t in self.tensors())
+        idx = torch.arange(self.n) if order is None else order
+        for chunk in idx.to(device).split(self.batch):
+            yield inputs[chunk].long(), positions[chunk], values[chunk]

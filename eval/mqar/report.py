@@ -30,12 +30,18 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def scored_names(config: dict[str, Any]) -> list[str]:
+    """The settings a results file's models were scored on, in order: trained ones, then test-only ones."""
+    trained = list(config.get("settings", []))
+    return trained + [s for s in config.get("test_settings", []) if s not in trained]
+
+
 def table(data: dict[str, Any]) -> str:
     """Markdown: one row per mixer, one column per ``setting / width``, cells ``mean ± std`` test accuracy (%)."""
     rows = data["rows"]
+    names = scored_names(data["config"])
     cols = sorted({(r["setting"], r["width"]) for r in rows},
-                  key=lambda c: (data["config"]["settings"].index(c[0]) if c[0] in data["config"]["settings"] else 99,
-                                 c[1]))
+                  key=lambda c: (names.index(c[0]) if c[0] in names else 99, c[1]))
     mixers = [m for m in data["config"]["mixers"] if any(r["mixer"] == m for r in rows)]
     cell = {(r["mixer"], r["setting"], r["width"]): r for r in rows}
     seeds = len(data["config"]["seeds"])
@@ -66,7 +72,7 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    settings = [s for s in data["config"]["settings"] if any(r["setting"] == s for r in rows)]
+    settings = [s for s in scored_names(data["config"]) if any(r["setting"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.6), squeeze=False, sharey=True)
     for ax, s in zip(axes[0], settings):
         for m in data["config"]["mixers"]:

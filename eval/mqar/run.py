@@ -1,8 +1,9 @@
-"""The MQAR grid: one job per ``(setting, mixer, width, lr, seed)``, run by a pool of processes on one device.
+"""The MQAR grid: one job per ``(mixer, width, lr, seed)``, trained on the mixture of the settings and scored on
+each, run by a pool of processes on one device.
 
 Small models leave a GPU idle, so ``workers`` processes share it, each training one job at a time, the longest
 jobs first. Every finished job is written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun
-skips jobs whose file holds the same budget, so an interrupted grid resumes where it stopped.
+skips jobs whose file holds the same budget and settings, so an interrupted grid resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -26,42 +27,40 @@ from eval.mqar.train import Budget, MixerChoice, train_job
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
-SCHEMA = 1
-
-
+SCHEMA = 2
 @dataclass(frozen=True)
 class Job:
-    """One model of the grid."""
+    """One model of the grid, trained on ``budget``'s mixture and scored on each of ``settings``."""
 
-    setting: MQARSetting
     mixer: MixerChoice
     width: int
     lr: float
     seed: int
     budget: Budget
+    settings: tuple[MQARSetting, ...]
 
     @property
     def name(self) -> str:
-        """A file-name-safe identity, e.g. ``64x4_kdn_diag-mu-1_d64_lr0.002_s0``."""
+        """A file-name-safe identity, e.g. ``kdn_diag-mu-1_d64_lr0.002_s0``."""
         mixer = re.sub(r"[^A-Za-z0-9_.-]", "-", self.mixer.label)
-        return f"{self.setting.name}_{mixer}_d{self.width}_lr{self.lr:g}_s{self.seed}"
+        return f"{mixer}_d{self.width}_lr{self.lr:g}_s{self.seed}"
 
     @property
     def cost(self) -> float:
-        """Relative work: tokens trained times width (orders the queue, longest first)."""
-        b = self.budget
-        return b.epochs * b.train_examples * self.setting.seq_len * self.width
+        """Relative work: the width (every job trains the same tokens); orders the queue, longest first."""
+        return float(self.width)
 
     def identity(self) -> dict[str, Any]:
         """What the job's result depends on (a stored result with another identity is rerun)."""
-        return {"setting": asdict(self.setting), "mixer": self.mixer.label, "width": self.width, "lr": self.lr,
-                "seed": self.seed, "budget": asdict(self.budget)}
+        return {"mixer": self.mixer.label, "width": self.width, "lr": self.lr, "seed": self.seed,
+                "budget": asdict(self.budget), "settings": [asdict(s) for s in self.settings]}
 
 
 def build_jobs(cfg: MQARConfig) -> list[Job]:
     """The grid of ``cfg``, longest jobs first."""
-    jobs = [Job(s, m, w, lr, seed, cfg.budget(s)) for s in cfg.setting_objects() for m in cfg.mixer_choices()
-            for w in cfg.widths for lr in cfg.lrs for seed in cfg.seeds]
+    budget, settings = cfg.budget(), tuple(cfg.scored_settings())
+    jobs = [Job(m, w, lr, seed, budget, settings) for m in cfg.mixer_choices() for w in cfg.widths for lr in cfg.lrs
+            for seed in cfg.seeds]
     return sorted(jobs, key=lambda j: -j.cost)
 
 
@@ -72,6 +71,12 @@ def load_done(path: Path, job: Job) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if record.get("identity") == json.loads(json.dumps(job.identity())) else None
+
+
+def flatten(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """A job's result as one record per setting: the setting's accuracies and state, with the job's fields."""
+    common = {k: v for k, v in job.items() if k not in ("records", "curve", "identity")}
+    return [{**common, **r} for r in job["records"]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,64 +90,76 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
-    """In a pool process: train ``job`` on ``device``, store and return its record; a job that raises returns
+    """In a pool process: train ``job`` on ``device``, store and return its result; a job that raises returns
     ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
     job, device, out, threads, commit = args
     torch.set_num_threads(threads)
+
+    def progress(point: dict[str, Any]) -> None:
+        accs = " ".join(f"{s} {a:.3f}" for s, a in point["valid"].items())
+        print(f"  {job.name} epoch {point['epoch']} ({point['s']:.0f}s): loss {point['loss']:.3f}, valid {accs}",
+              flush=True)
+
     try:
-        record = train_job(job.mixer, job.width, job.setting, job.lr, job.seed, job.budget, torch.device(device))
+        result = train_job(job.mixer, job.width, job.lr, job.seed, job.budget, list(job.settings),
+                           torch.device(device), progress=progress)
     except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
         return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
-    record["identity"], record["git_commit"] = job.identity(), commit
-    write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", record)
-    return record
+    result["job"], result["identity"], result["git_commit"] = job.name, job.identity(), commit
+    write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", result)
+    return result
 
 
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Run every job of ``cfg`` not already stored under ``cfg.out`` (each record keeps the commit it ran at).
-    Returns all records of the grid and the jobs that failed (``{"job", "error"}``)."""
+    """Run every job of ``cfg`` not already stored under ``cfg.out`` (each result keeps the commit it ran at).
+    Returns the job results of the grid (:func:`flatten` gives one record per setting) and the jobs that failed
+    (``{"job", "error"}``)."""
     device = resolve_device(cfg.device)
     jobs = build_jobs(cfg)
     out = Path(cfg.out)
-    records, failed, todo = [], [], []
+    results, failed, todo = [], [], []
     for job in jobs:
         done = load_done(out / "jobs" / f"{job.name}.json", job)
         if done is None:
             todo.append(job)
         else:
-            records.append(done)
+            results.append(done)
     workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
-    log(f"mqar: {len(jobs)} jobs ({len(records)} stored, {len(todo)} to run) on {device} with {workers} worker(s)")
+    budget = cfg.budget()
+    log(f"mqar: {len(jobs)} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s); "
+        f"each trains {budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
     commit = git_commit()
     args = [(job, str(device), str(out), cfg.threads, commit) for job in todo]
     t0 = time.perf_counter()
     pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
     try:
-        results = map(_run_one, args) if pool is None else pool.imap_unordered(_run_one, args)
-        for i, rec in enumerate(results, 1):
+        done_iter = map(_run_one, args) if pool is None else pool.imap_unordered(_run_one, args)
+        for i, res in enumerate(done_iter, 1):
             head = f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s]"
-            if "error" in rec:
-                failed.append(rec)
-                log(f"{head} {rec['job']} FAILED: {rec['error']}")
+            if "error" in res:
+                failed.append(res)
+                log(f"{head} {res['job']} FAILED: {res['error']}")
                 continue
-            records.append(rec)
-            log(f"{head} {rec['setting']} {rec['mixer']} d{rec['width']} lr {rec['lr']:g} seed {rec['seed']}: "
-                f"test {rec['test_acc']:.3f} valid {rec['valid_acc']:.3f} loss {rec['final_loss']:.3f}"
-                f"{' (diverged)' if rec['diverged'] else ''} ({rec['wall_s']:.0f}s)")
+            results.append(res)
+            accs = " ".join(f"{r['setting']} {r['test_acc']:.3f}" for r in res["records"])
+            log(f"{head} {res['mixer']} d{res['width']} lr {res['lr']:g} seed {res['seed']}: test {accs}; loss "
+                f"{res['final_loss']:.3f}{' (diverged)' if res['diverged'] else ''} ({res['wall_s']:.0f}s, "
+                f"{res['tokens'] / max(res['train_s'], 1e-9) / 1e6:.2f}M tok/s)")
     finally:
         if pool is not None:
             pool.close()
             pool.join()
-    return records, failed
+    return results, failed
 
 
 def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, Any]]:
-    """One row per ``(setting, mixer, width)``: the learning rate with the best mean validation accuracy over seeds,
-    and at that rate the test accuracy's mean, std (over seeds, ``ddof = 1``; 0 for one seed) and values."""
+    """One row per ``(setting, mixer, width)`` of the per-setting ``records`` (:func:`flatten`): the learning rate
+    with the best mean validation accuracy over seeds, and at that rate the test accuracy's mean, std (over seeds,
+    ``ddof = 1``; 0 for one seed) and values."""
     cells: dict[tuple, dict[float, list[dict]]] = {}
     for r in records:
         cells.setdefault((r["setting"], r["mixer"], r["width"]), {}).setdefault(r["lr"], []).append(r)
-    order = {s: i for i, s in enumerate(cfg.settings)}, {m: i for i, m in enumerate(cfg.mixers)}
+    order = {s: i for i, s in enumerate(cfg.scored_names())}, {m: i for i, m in enumerate(cfg.mixers)}
     rows = []
     for (setting, mixer, width), by_lr in sorted(cells.items(), key=lambda kv: (
             order[0].get(kv[0][0], 99), order[1].get(kv[0][1], 99), kv[0][2])):

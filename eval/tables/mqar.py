@@ -49,13 +49,11 @@ class MQARFile:
         known = {f.name for f in dataclasses.fields(MQARConfig)}
         return MQARConfig(**{k: v for k, v in self.data["config"].items() if k in known})
 
-    def budget(self, setting: str) -> dict[str, Any]:
-        """What a model of ``setting`` in this file trained on: ``eval.mqar.train.Budget``'s fields plus ``lrs``."""
-        from eval.mqar import MQARSetting
-
-        cfg = self.config
-        budget = dataclasses.asdict(cfg.budget(MQARSetting.parse(setting, cfg.vocab_size, cfg.power_a)))
-        return json.loads(json.dumps({**budget, "lrs": sorted(cfg.lrs)}))  # tuples as lists, as a file holds them
+    def budget(self) -> dict[str, Any]:
+        """What this file's models trained on: ``eval.mqar.train.Budget``'s fields (the training mixture
+        included) plus ``lrs``."""
+        budget = dataclasses.asdict(self.config.budget())
+        return json.loads(json.dumps({**budget, "lrs": sorted(self.config.lrs)}))  # tuples as lists, as in a file
 
 
 def find_mqar(root: str | Path) -> list[Path]:
@@ -98,7 +96,7 @@ def check_budgets(files: list[MQARFile]) -> None:
     first: dict[str, tuple[Path, dict[str, Any]]] = {}
     for f in files:
         for setting in sorted({j["setting"] for j in f.jobs}):
-            budget = f.budget(setting)
+            budget = f.budget()
             if setting not in first:
                 first[setting] = (f.path, budget)
                 continue
@@ -151,12 +149,13 @@ def build_mqar_table(files: list[MQARFile], *, reference: str = DEFAULT_REFERENC
     the empty cells and the jobs that failed. Raises: :class:`SettingsMismatch` for one setting trained with
     different budgets; ``ValueError`` for a job held by two files."""
     from eval.mqar import summarize
+    from eval.mqar.report import scored_names
 
     if not files:
         raise ValueError("no MQAR results file given; pass the mqar.json of python -m eval.mqar")
     check_budgets(files)
     jobs = merged_jobs(files)
-    settings = _ordered([f.data["config"].get("settings", []) for f in files], {j["setting"] for j in jobs})
+    settings = _ordered([scored_names(f.data["config"]) for f in files], {j["setting"] for j in jobs})
     mixers = _ordered([f.data["config"].get("mixers", []) for f in files], {j["mixer"] for j in jobs})
     rows = summarize(jobs, dataclasses.replace(files[0].config, settings=settings, mixers=mixers))
     by_cell = {(r["setting"], r["mixer"], r["width"]): r for r in rows}
