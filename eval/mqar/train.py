@@ -143,8 +143,8 @@ class Budget:
         return [(MQARSetting.parse(name, self.vocab_size, self.power_a), n) for name, n in self.train_mix]
 
     def steps_per_epoch(self) -> int:
-        """Optimiser steps of one pass over the mixture."""
-        return sum(n // self.batch_size(s) for s, n in self.mixture())
+        """Optimiser steps of one pass over the mixture (a last partial batch is a step too)."""
+        return sum(-(-n // self.batch_size(s)) for s, n in self.mixture())
 
     def tokens(self) -> int:
         """Training tokens of a job (every pass)."""
