@@ -15,6 +15,12 @@ ZOOLOGY_SETTINGS = ("64x4", "128x8", "256x16", "512x64")
 LONG_SETTINGS = ("1024x128", "2048x256")
 
 
+def scored_names(settings: list[str], test_settings: list[str]) -> list[str]:
+    """The settings a model is scored on, in order: the trained ``settings``, then the ``test_settings`` not among
+    them."""
+    return [*settings, *(s for s in test_settings if s not in settings)]
+
+
 @dataclass
 class MQARConfig:
     """Everything a benchmark run depends on; ``preset`` fills the budget, explicit keys override it.
@@ -61,8 +67,8 @@ class MQARConfig:
         return [MQARSetting.parse(s, self.vocab_size, self.power_a) for s in self.settings]
 
     def scored_names(self) -> list[str]:
-        """Every setting a model is scored on: ``settings``, then the ``test_settings`` not among them."""
-        return [*self.settings, *(s for s in self.test_settings if s not in self.settings)]
+        """Every setting a model is scored on (:func:`scored_names`)."""
+        return scored_names(self.settings, self.test_settings)
 
     def scored_settings(self) -> list[MQARSetting]:
         """:meth:`scored_names` parsed."""

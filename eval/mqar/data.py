@@ -133,14 +133,26 @@ class MQARSplit:
             raise ValueError(f"a split needs n >= 1 examples and batch >= 1, got n={n}, batch={batch}")
         block_seed(seed, split, setting, 0)  # validates the split name
         self.setting, self.split, self.n, self.batch, self.seed = setting, split, n, batch, seed
+        self._on: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
     def __len__(self) -> int:
         """Batches per pass: ``ceil(n / batch)``."""
         return -(-self.n // self.batch)
 
-    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
-        """All examples on the CPU: ``inputs [n, T]`` (int32), ``positions [n, P]``, ``values [n, P]``."""
-        return _split_tensors(self.setting, self.split, self.n, self.seed)
+    def tensors(self, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+        """All examples on ``device``: ``inputs [n, T]`` (int32), ``positions [n, P]``, ``values [n, P]``; copied
+        there once per split."""
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in _split_tensors(self.setting, self.split, self.n,
+                                                                           self.seed))
+        return self._on[device]
+
+    def take(self, idx: Tensor, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+        """Examples ``idx [b]`` on ``device``: ``inputs [b, T]`` (int64), ``positions [b, P]``, ``values [b, P]``."""
+        inputs, positions, values = self.tensors(device)
+        idx = idx.to(inputs.device, non_blocking=True)
+        return inputs[idx].long(), positions[idx], values[idx]
 
     def labels(self) -> Tensor:
         """``[n, T]``: the value at each answer position, ``-100`` elsewhere (the form :func:`generate` returns)."""
@@ -154,9 +166,7 @@ class MQARSplit:
 
     def batches(self, device: torch.device | str = "cpu", order: Tensor | None = None
                 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        """Every example once, in ``order`` (default: stored order), as ``batch``-sized ``(inputs, positions,
-        values)`` on ``device`` (the last batch may be smaller); ``inputs`` are int64."""
-        inputs, positions, values = (t.to(device, non_blocking=True) for t in self.tensors())
-        idx = torch.arange(self.n) if order is None else order
-        for chunk in idx.to(device).split(self.batch):
-            yield inputs[chunk].long(), positions[chunk], values[chunk]
+        """Every example once, in ``order`` (default: stored order), as ``batch``-sized :meth:`take` results on
+        ``device`` (the last batch may be smaller)."""
+        for chunk in (torch.arange(self.n) if order is None else order).split(self.batch):
+            yield self.take(chunk, device)

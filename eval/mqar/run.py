@@ -28,6 +28,8 @@ from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
 SCHEMA = 2
+
+
 @dataclass(frozen=True)
 class Job:
     """One model of the grid, trained on ``budget``'s mixture and scored on each of ``settings``."""

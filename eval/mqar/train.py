@@ -174,7 +174,6 @@ def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Bud
     model = models.build_model(cfg).to(device)
     train = [MQARSplit(s, "train", n, budget.batch_size(s), seed=seed) for s, n in budget.mixture()]
     valid = [MQARSplit(s, "valid", budget.valid_examples, budget.batch_size(s)) for s in settings]
-    data = [tuple(t.to(device) for t in split.tensors()) for split in train]
     total = budget.epochs * budget.steps_per_epoch()
     optimizer = build_optimizer(model, lr=lr, betas=budget.betas, weight_decay=budget.weight_decay, eps=budget.eps)
     scheduler = build_scheduler(optimizer, warmup_steps=max(1, round(budget.warmup_frac * total)),
@@ -183,9 +182,9 @@ def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Bud
     model.train()
     for epoch in range(budget.epochs):
         for i, idx in epoch_batches(train, epoch, seed):
-            inputs, positions, values = (t[idx.to(device, non_blocking=True)] for t in data[i])
+            inputs, positions, values = train[i].take(idx, device)
             with autocast(device):
-                logits = answer_logits(model, inputs.long(), positions)
+                logits = answer_logits(model, inputs, positions)
             loss = F.cross_entropy(logits.float(), values.flatten())
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)

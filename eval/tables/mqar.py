@@ -95,8 +95,8 @@ def check_budgets(files: list[MQARFile]) -> None:
     learning-rate sweeps: their rows share columns (and would share cells), so they must have trained alike."""
     first: dict[str, tuple[Path, dict[str, Any]]] = {}
     for f in files:
+        budget = f.budget()
         for setting in sorted({j["setting"] for j in f.jobs}):
-            budget = f.budget()
             if setting not in first:
                 first[setting] = (f.path, budget)
                 continue
@@ -149,13 +149,13 @@ def build_mqar_table(files: list[MQARFile], *, reference: str = DEFAULT_REFERENC
     the empty cells and the jobs that failed. Raises: :class:`SettingsMismatch` for one setting trained with
     different budgets; ``ValueError`` for a job held by two files."""
     from eval.mqar import summarize
-    from eval.mqar.report import scored_names
+    from eval.mqar.report import scored_settings
 
     if not files:
         raise ValueError("no MQAR results file given; pass the mqar.json of python -m eval.mqar")
     check_budgets(files)
     jobs = merged_jobs(files)
-    settings = _ordered([scored_names(f.data["config"]) for f in files], {j["setting"] for j in jobs})
+    settings = _ordered([scored_settings(f.data["config"]) for f in files], {j["setting"] for j in jobs})
     mixers = _ordered([f.data["config"].get("mixers", []) for f in files], {j["mixer"] for j in jobs})
     rows = summarize(jobs, dataclasses.replace(files[0].config, settings=settings, mixers=mixers))
     by_cell = {(r["setting"], r["mixer"], r["width"]): r for r in rows}
