@@ -31,7 +31,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def scored_settings(config: dict[str, Any]) -> list[str]:
+def settings_of(config: dict[str, Any]) -> list[str]:
     """The settings a results file's models were scored on, in order (``config``: the file's ``config``)."""
     return scored_names(config.get("settings", []), config.get("test_settings", []))
 
@@ -39,7 +39,7 @@ def scored_settings(config: dict[str, Any]) -> list[str]:
 def table(data: dict[str, Any]) -> str:
     """Markdown: one row per mixer, one column per ``setting / width``, cells ``mean ± std`` test accuracy (%)."""
     rows = data["rows"]
-    names = scored_settings(data["config"])
+    names = settings_of(data["config"])
     cols = sorted({(r["setting"], r["width"]) for r in rows},
                   key=lambda c: (names.index(c[0]) if c[0] in names else 99, c[1]))
     mixers = [m for m in data["config"]["mixers"] if any(r["mixer"] == m for r in rows)]
@@ -72,7 +72,7 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    settings = [s for s in scored_settings(data["config"]) if any(r["setting"] == s for r in rows)]
+    settings = [s for s in settings_of(data["config"]) if any(r["setting"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.6), squeeze=False, sharey=True)
     for ax, s in zip(axes[0], settings):
         for m in data["config"]["mixers"]:

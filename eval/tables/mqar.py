@@ -149,13 +149,13 @@ def build_mqar_table(files: list[MQARFile], *, reference: str = DEFAULT_REFERENC
     the empty cells and the jobs that failed. Raises: :class:`SettingsMismatch` for one setting trained with
     different budgets; ``ValueError`` for a job held by two files."""
     from eval.mqar import summarize
-    from eval.mqar.report import scored_settings
+    from eval.mqar.report import settings_of
 
     if not files:
         raise ValueError("no MQAR results file given; pass the mqar.json of python -m eval.mqar")
     check_budgets(files)
     jobs = merged_jobs(files)
-    settings = _ordered([scored_settings(f.data["config"]) for f in files], {j["setting"] for j in jobs})
+    settings = _ordered([settings_of(f.data["config"]) for f in files], {j["setting"] for j in jobs})
     mixers = _ordered([f.data["config"].get("mixers", []) for f in files], {j["mixer"] for j in jobs})
     rows = summarize(jobs, dataclasses.replace(files[0].config, settings=settings, mixers=mixers))
     by_cell = {(r["setting"], r["mixer"], r["width"]): r for r in rows}
