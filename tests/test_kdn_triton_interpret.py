@@ -238,3 +238,15 @@ def test_fused_diagonal_gain_and_memory_in_interpreter() -> None:
         assert all(e < (tol.get(n, 1e-4) if gated else 1e-6) for n, e in r["unfused"].items()), (case, r["unfused"])
         dropped = {n: e for n, e in r["dropped"].items() if e > 1e-4}
         assert dropped.keys() == {"dk", "dg"} | gated and min(dropped.values()) > 1e-3, (case, r["dropped"])
+
+
+def test_exact_only_answers_the_token_loop_without_reading_the_gates() -> None:
+    """Under ``exact_only`` (and in a CUDA graph capture) the safe-gate check answers the exact path for gates it
+    would otherwise send down the tensor-core path; outside it, it reads them again."""
+    from kdn.ops.triton.safe_gate import exact_only, safe_gate, safe_steepest
+
+    g = -0.1 * torch.rand(2, 64, 3, 16) - 0.01
+    assert bool(safe_gate(g)) and bool(safe_steepest(-g.amin(-1)))
+    with exact_only():
+        assert not bool(safe_gate(g)) and not bool(safe_steepest(-g.amin(-1)))
+    assert bool(safe_gate(g))

@@ -2,6 +2,7 @@
 that a tiny attention model learns the task on the CPU."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -32,6 +33,8 @@ from eval.mqar import (
 )
 from eval.mqar.data import block_seed
 from eval.mqar.run import git_commit, header
+from eval.mqar.step import TrainStep
+from eval.mqar.train import JobRun, train_together
 from models import build_model
 from trainer.optim import build_optimizer, build_scheduler
 
@@ -247,7 +250,7 @@ def test_attention_learns_mqar(one_thread) -> None:
 def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
     argv = ["mixers=kdn_diag/mu=1,attn", "widths=64", "settings=32x4,48x4", "lrs=3e-3", "train_examples=64",
             "valid_examples=32", "test_examples=32", "batch_tokens=1024", "vocab_size=64", f"out={tmp_path}",
-            "preset=cpu"]
+            "preset=cpu", "streams=2"]
     cfg, _ = parse_overrides(argv)
     lines: list[str] = []
     records, failed = run_grid(cfg, log=lines.append)
@@ -286,6 +289,66 @@ def test_every_mixer_trains_on_cuda(mixer: str) -> None:
         sel = answer_logits(model, x, positions)
         ref = model(x).logits[y != IGNORE]
     assert (sel.float() - ref.float()).norm() / ref.float().norm() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_graph_steps_match_eager_steps(mixer: str) -> None:
+    """Each mixer's whole training step is captured in a CUDA graph, and its replays train like eager steps: the
+    same losses and parameters after warm-up, capture and replays on two batch shapes, to bf16 rounding."""
+    torch.manual_seed(0)
+    ref = build_model(model_config(MixerChoice.parse(mixer), 64, 64, 8192)).cuda()
+    models_, steps = [ref, copy.deepcopy(ref)], []
+    for model, graphs in zip(models_, (False, True)):
+        opt = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+        steps.append((TrainStep(model, opt, 1.0, torch.device("cuda"), graphs=graphs),
+                      build_scheduler(opt, warmup_steps=2, total_steps=16, min_ratio=0.1)))
+    splits = [MQARSplit(MQARSetting(128, 8), "train", 64, 16), MQARSplit(MQARSetting(256, 16), "train", 32, 8)]
+    batches = [(s, idx) for idx in range(4) for s in splits]
+    losses = [[], []]
+    for k, (step, sched) in enumerate(steps):
+        for split, idx in batches:
+            loss, norm = step(*split.take(torch.arange(idx * split.batch, (idx + 1) * split.batch), "cuda"))
+            sched.step()
+            losses[k].append(float(loss))
+    assert steps[1][0].graphs and steps[1][0].fallback is None and len(steps[1][0]._captured) == 2
+    a, b = torch.tensor(losses[0]), torch.tensor(losses[1])
+    assert (a - b).norm() / a.norm() < 1e-2, (losses[0], losses[1])
+    pa = torch.cat([p.detach().float().flatten() for p in models_[0].parameters()])
+    pb = torch.cat([p.detach().float().flatten() for p in models_[1].parameters()])
+    assert (pa - pb).norm() / pa.norm() < 1e-2
+
+
+def test_jobs_stepped_in_turn_equal_jobs_run_alone(one_thread) -> None:
+    """Interleaving jobs changes nothing on the CPU: each one's curve, loss and accuracies are those it has alone."""
+    cfg, _ = parse_overrides(["preset=cpu", "settings=32x4,48x4", "vocab_size=64", "head_dim=32",
+                              "train_examples=128", "valid_examples=32", "test_examples=32", "batch_tokens=512",
+                              "epochs=2"])
+    args = [(MixerChoice.parse("kdn_diag"), 64, 3e-3, 0), (MixerChoice.parse("attn"), 64, 1e-3, 1)]
+    cpu = torch.device("cpu")
+    alone = [train_job(*a, cfg.budget(), cfg.scored_settings(), cpu) for a in args]
+    together = train_together([JobRun(*a, cfg.budget(), cfg.scored_settings(), cpu) for a in args])
+    keys = ("records", "final_loss", "steps", "params")
+    for x, y in zip(alone, together):
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}
+        assert [c["valid"] for c in x["curve"]] == [c["valid"] for c in y["curve"]] and len(x["curve"]) == 2
+    assert alone[0]["final_loss"] != alone[1]["final_loss"]
+
+
+@pytest.mark.gpu
+def test_jobs_trained_together_match_jobs_trained_alone() -> None:
+    """Three jobs of one learning-rate sweep (one seed), stepped in turn on their own streams and replayed from
+    their own graphs, train as each does alone. At width 256 their graphs' matrix products use cuBLAS workspaces;
+    graphs captured on one shared stream shared one and turned every loss of such a grid into NaN."""
+    cfg = parse_overrides(["preset=smoke", "settings=64x4,512x64", "test_settings=", "max_train_tokens=262144",
+                           "batch_tokens=32768", "valid_examples=256", "test_examples=256"])[0]
+    args = [(MixerChoice.parse("kdn_diag"), 256, lr, 0) for lr in (1e-4, 3e-4, 1e-3)]
+    alone = [train_job(*a, cfg.budget(), cfg.setting_objects(), torch.device("cuda")) for a in args]
+    together = train_together([JobRun(*a, cfg.budget(), cfg.setting_objects(), torch.device("cuda"))
+                               for a in args])
+    for x, y in zip(alone, together):
+        assert x["steps"] == y["steps"] == 16 and x["cuda_graphs"] and y["cuda_graphs"] and not y["diverged"]
+        assert abs(x["final_loss"] - y["final_loss"]) < 1e-2 * x["final_loss"], (x["final_loss"], y["final_loss"])
 
 
 def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:

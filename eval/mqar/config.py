@@ -32,6 +32,10 @@ class MQARConfig:
     ``batch_tokens // seq_len`` sequences, ``epochs`` passes. The learning rate is chosen per
     ``(setting, mixer, width)`` by the mean validation accuracy over seeds; the test accuracy at that rate is
     reported.
+
+    How it runs (no effect on the results' identity): ``workers`` processes (0: 4 on CUDA, 1 on the CPU), each
+    training ``streams`` jobs side by side on their own CUDA streams (0: 3 on CUDA, 1 on the CPU), their steps
+    replayed from CUDA graphs when ``graphs``.
     """
 
     preset: str = "auto"
@@ -58,6 +62,8 @@ class MQARConfig:
     grad_clip: float = 1.0
     device: str = "auto"
     workers: int = 0
+    streams: int = 0
+    graphs: bool = True
     threads: int = 1
     out: str = ""
     results: str = ""

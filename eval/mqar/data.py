@@ -167,6 +167,9 @@ class MQARSplit:
     def batches(self, device: torch.device | str = "cpu", order: Tensor | None = None
                 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """Every example once, in ``order`` (default: stored order), as ``batch``-sized :meth:`take` results on
-        ``device`` (the last batch may be smaller)."""
-        for chunk in (torch.arange(self.n) if order is None else order).split(self.batch):
+        ``device`` (the last batch may be smaller). The order is copied to the device once, not a batch at a time:
+        a copy from pageable host memory waits for the device's queue to drain."""
+        device = self.tensors(device)[0].device
+        order = torch.arange(self.n, device=device) if order is None else order.to(device)
+        for chunk in order.split(self.batch):
             yield self.take(chunk, device)

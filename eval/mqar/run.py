@@ -1,9 +1,10 @@
 """The MQAR grid: one job per ``(mixer, width, lr, seed)``, trained on the mixture of the settings and scored on
 each, run by a pool of processes on one device.
 
-Small models leave a GPU idle, so ``workers`` processes share it, each training one job at a time, the longest
-jobs first. Every finished job is written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun
-skips jobs whose file holds the same budget and settings, so an interrupted grid resumes where it stopped.
+Small models leave a GPU idle, so ``workers`` processes share it, each training a group of ``streams`` jobs side
+by side (one CUDA stream each, steps replayed from CUDA graphs), the longest jobs first. Every finished job is
+written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun skips jobs whose file holds the same
+budget and settings, so an interrupted grid resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import Budget, MixerChoice, train_job
+from eval.mqar.train import Budget, JobRun, MixerChoice, train_together
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -91,25 +93,45 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _run_one(args: tuple[Job, str, str, int, str | None]) -> dict[str, Any]:
-    """In a pool process: train ``job`` on ``device``, store and return its result; a job that raises returns
-    ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it again)."""
-    job, device, out, threads, commit = args
+def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[dict[str, Any]]:
+    """In a pool process: train ``jobs`` together on ``device`` (:func:`train_together`), store each result and
+    return them; a job that raises returns ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it
+    again)."""
+    jobs, device, out, threads, commit, graphs = args
     torch.set_num_threads(threads)
 
-    def progress(point: dict[str, Any]) -> None:
-        accs = " ".join(f"{s} {a:.3f}" for s, a in point["valid"].items())
-        print(f"  {job.name} epoch {point['epoch']} ({point['s']:.0f}s): loss {point['loss']:.3f}, valid {accs}",
-              flush=True)
+    def progress(job: Job) -> Callable[[dict[str, Any]], None]:
+        def show(point: dict[str, Any]) -> None:
+            accs = " ".join(f"{s} {a:.3f}" for s, a in point["valid"].items())
+            print(f"  {job.name} epoch {point['epoch']} ({point['s']:.0f}s): loss {point['loss']:.3f}, valid "
+                  f"{accs}", flush=True)
+        return show
 
-    try:
-        result = train_job(job.mixer, job.width, job.lr, job.seed, job.budget, list(job.settings),
-                           torch.device(device), progress=progress)
-    except Exception as err:  # one broken mixer must not take the other jobs of the grid down with it
-        return {"job": job.name, "error": f"{type(err).__name__}: {err}"}
-    result["job"], result["identity"], result["git_commit"] = job.name, job.identity(), commit
-    write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", result)
-    return result
+    runs, failed = [], []
+    for job in jobs:
+        try:
+            runs.append((job, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget, list(job.settings),
+                                     torch.device(device), progress(job), graphs)))
+        except Exception as err:  # noqa: BLE001 - one broken mixer must not take the other jobs down with it
+            failed.append({"job": job.name, "error": f"{type(err).__name__}: {err}"})
+    results = []
+    for job, res in zip([job for job, _ in runs], train_together([run for _, run in runs])):
+        if isinstance(res, BaseException):
+            failed.append({"job": job.name, "error": f"{type(res).__name__}: {res}"})
+            continue
+        res["job"], res["identity"], res["git_commit"] = job.name, job.identity(), commit
+        write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", res)
+        results.append(res)
+    del runs
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the next group's graphs would not reuse these pools; other processes can
+    return results + failed
+
+
+def groups(jobs: list[Job], size: int) -> list[list[Job]]:
+    """``jobs`` (longest first) in consecutive groups of at most ``size``: a group trains in one process, its jobs
+    side by side on their own CUDA streams, so each group holds jobs of about the same length."""
+    return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
 
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
@@ -126,27 +148,34 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
             todo.append(job)
         else:
             results.append(done)
-    workers = min(cfg.workers or (8 if device.type == "cuda" else 1), max(1, len(todo)))
+    streams = cfg.streams or (3 if device.type == "cuda" else 1)
+    tasks = groups(todo, streams)
+    workers = min(cfg.workers or (4 if device.type == "cuda" else 1), max(1, len(tasks)))
     budget = cfg.budget()
-    log(f"mqar: {len(jobs)} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s); "
-        f"each trains {budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
+    log(f"mqar: {len(jobs)} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
+        f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
+        f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
     commit = git_commit()
-    args = [(job, str(device), str(out), cfg.threads, commit) for job in todo]
+    args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
     t0 = time.perf_counter()
     pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
     try:
-        done_iter = map(_run_one, args) if pool is None else pool.imap_unordered(_run_one, args)
-        for i, res in enumerate(done_iter, 1):
-            head = f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s]"
-            if "error" in res:
-                failed.append(res)
-                log(f"{head} {res['job']} FAILED: {res['error']}")
-                continue
-            results.append(res)
-            accs = " ".join(f"{r['setting']} {r['test_acc']:.3f}" for r in res["records"])
-            log(f"{head} {res['mixer']} d{res['width']} lr {res['lr']:g} seed {res['seed']}: test {accs}; loss "
-                f"{res['final_loss']:.3f}{' (diverged)' if res['diverged'] else ''} ({res['wall_s']:.0f}s, "
-                f"{res['tokens'] / max(res['train_s'], 1e-9) / 1e6:.2f}M tok/s)")
+        done_iter = map(_run_group, args) if pool is None else pool.imap_unordered(_run_group, args)
+        i = 0
+        for batch in done_iter:
+            for res in batch:
+                i += 1
+                head = f"[{i}/{len(todo)} {time.perf_counter() - t0:.0f}s]"
+                if "error" in res:
+                    failed.append(res)
+                    log(f"{head} {res['job']} FAILED: {res['error']}")
+                    continue
+                results.append(res)
+                accs = " ".join(f"{r['setting']} {r['test_acc']:.3f}" for r in res["records"])
+                log(f"{head} {res['mixer']} d{res['width']} lr {res['lr']:g} seed {res['seed']}: test {accs}; "
+                    f"loss {res['final_loss']:.3f}{' (diverged)' if res['diverged'] else ''} "
+                    f"({res['wall_s']:.0f}s, {res['tokens'] / max(res['train_s'], 1e-9) / 1e6:.2f}M tok/s"
+                    f"{'' if res['graph_fallback'] is None else '; eager: ' + res['graph_fallback']})")
     finally:
         if pool is not None:
             pool.close()

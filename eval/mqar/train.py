@@ -6,22 +6,25 @@ As in Zoology, one model learns all settings at once: its batches are drawn from
 batch from one setting (``batch_tokens / seq_len`` sequences). The loss and the accuracy count only answer
 positions: the LM head runs on the hidden states of those positions only (gathered by index, so a step needs no
 host synchronisation), and no ``[B, T, V]`` logits are ever materialised.
+
+Small models leave a GPU idle, so on CUDA a job's steps are replayed from CUDA graphs (:mod:`eval.mqar.step`) on the
+job's own stream, and :func:`train_together` interleaves several jobs in one process so that their kernels overlap.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import models
 from eval.mqar.data import MQARSetting, MQARSplit
+from eval.mqar.step import TrainStep, answer_logits, autocast
 from trainer.optim import build_optimizer, build_scheduler
 
 STRING_KWARGS = ("mu", "noise", "alpha_param", "memory", "backend")
@@ -85,13 +88,6 @@ def state_elements(cfg: models.KDNConfig, seq_len: int) -> tuple[int, bool]:
     return 2 * seq_len * cfg.num_heads * cfg.head_dim * cfg.num_layers, False
 
 
-def answer_logits(model: torch.nn.Module, inputs: Tensor, positions: Tensor) -> Tensor:
-    """Logits at the answer positions only. ``inputs [B, T]``, ``positions [B, P]`` -> ``logits [B * P, V]``."""
-    hidden, _, _ = model.model(inputs)
-    picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-    return model.lm_head(picked.flatten(0, 1))
-
-
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, split: MQARSplit, device: torch.device) -> float:
     """Fraction of the answer positions of ``split`` whose argmax is the value."""
@@ -103,13 +99,6 @@ def accuracy(model: torch.nn.Module, split: MQARSplit, device: torch.device) -> 
         hits += (logits.argmax(-1) == values.flatten()).sum()
     model.train()
     return hits.item() / (split.n * split.setting.pairs)
-
-
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (as in training), FP32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -151,71 +140,137 @@ class Budget:
         return self.epochs * sum(n * s.seq_len for s, n in self.mixture())
 
 
-def epoch_batches(splits: list[MQARSplit], epoch: int, seed: int) -> list[tuple[int, Tensor]]:
-    """One pass over every split: ``(split index, example indices [batch])`` in an order drawn from ``(seed,
-    epoch)``, the examples of each split in that split's own order for the epoch."""
-    batches = [(i, chunk) for i, split in enumerate(splits) for chunk in split.order(epoch).split(split.batch)]
+def epoch_batches(splits: list[MQARSplit], epoch: int, seed: int) -> list[tuple[int, int]]:
+    """One pass over every split: ``(split index, batch number)`` in an order drawn from ``(seed, epoch)``; batch
+    ``j`` of split ``i`` is ``splits[i].order(epoch)[j * batch:(j + 1) * batch]``."""
+    batches = [(i, j) for i, split in enumerate(splits) for j in range(len(split))]
     g = torch.Generator().manual_seed(seed * 7_919 + epoch)
     return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
 
 
+class JobRun:
+    """One model's training and scoring, as a generator of steps (:meth:`steps`) that :func:`train_together`
+    interleaves with other jobs'. On CUDA every job has its own stream, so the kernels of several small models run
+    side by side on one GPU, and its steps are replayed from CUDA graphs (``graphs``, :class:`TrainStep`).
+
+    Args: as :func:`train_job`.
+    """
+
+    def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
+                 settings: list[MQARSetting], device: torch.device,
+                 progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> None:
+        self.t0 = time.perf_counter()
+        self.choice, self.width, self.lr, self.seed, self.budget = choice, width, lr, seed, budget
+        self.device, self.progress = device, progress
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with self.on_stream():
+            torch.manual_seed(seed)
+            self.cfg = model_config(choice, width, budget.head_dim, budget.vocab_size)
+            self.model = models.build_model(self.cfg).to(device)
+            self.train = [MQARSplit(s, "train", n, budget.batch_size(s), seed=seed) for s, n in budget.mixture()]
+            self.valid = [MQARSplit(s, "valid", budget.valid_examples, budget.batch_size(s)) for s in settings]
+            for split in (*self.train, *self.valid):
+                split.tensors(device)
+            self.total = budget.epochs * budget.steps_per_epoch()
+            optimizer = build_optimizer(self.model, lr=lr, betas=budget.betas, weight_decay=budget.weight_decay,
+                                        eps=budget.eps)
+            self.scheduler = build_scheduler(optimizer, warmup_steps=max(1, round(budget.warmup_frac * self.total)),
+                                             total_steps=self.total, min_ratio=budget.min_lr_ratio)
+            self.step = TrainStep(self.model, optimizer, budget.grad_clip, device, graphs)
+        self.steps_done, self.diverged, self.final_loss, self.curve = 0, False, math.nan, []
+        self.train_s = 0.0
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """The job's CUDA stream as the current one (nothing off CUDA)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def steps(self) -> Iterator[None]:
+        """Train, yielding after each queued step and each epoch's validation; then score the test splits."""
+        window: list[tuple[Tensor, Tensor]] = []
+        for epoch in range(self.budget.epochs):
+            with self.on_stream():
+                orders = [split.order(epoch).to(self.device) for split in self.train]
+            for i, j in epoch_batches(self.train, epoch, self.seed):
+                with self.on_stream():
+                    split = self.train[i]
+                    window.append(self.step(*split.take(orders[i][j * split.batch:(j + 1) * split.batch],
+                                                        self.device)))
+                    self.scheduler.step()
+                    self.steps_done += 1
+                    if len(window) == CHECK_EVERY or self.steps_done == self.total:  # one host sync per window
+                        losses, norms = (torch.stack(x) for x in zip(*window))
+                        self.diverged = not bool(torch.isfinite(losses).all() & torch.isfinite(norms).all())
+                        self.final_loss, window = float(losses.mean()), []
+                if self.diverged:
+                    break
+                yield
+            with self.on_stream():
+                self.curve.append({"epoch": epoch + 1, "step": self.steps_done,
+                                   "s": round(time.perf_counter() - self.t0, 2), "loss": self.final_loss,
+                                   "valid": {v.setting.name: accuracy(self.model, v, self.device)
+                                             for v in self.valid}})
+            if self.progress is not None:
+                self.progress(self.curve[-1])
+            yield
+            if self.diverged:
+                break
+        self.train_s = time.perf_counter() - self.t0
+        with self.on_stream():
+            self.records = []
+            for v in self.valid:
+                test = MQARSplit(v.setting, "test", self.budget.test_examples, v.batch)
+                state, recurrent = state_elements(self.cfg, v.setting.seq_len)
+                self.records.append({"setting": v.setting.name, "valid_acc": self.curve[-1]["valid"][v.setting.name],
+                                     "test_acc": accuracy(self.model, test, self.device), "state": state,
+                                     "state_recurrent": recurrent})
+
+    def result(self) -> dict[str, Any]:
+        """The JSON-able record of a finished job (see :func:`train_job`)."""
+        return {
+            "mixer": self.choice.label, "width": self.width, "lr": self.lr, "seed": self.seed,
+            "records": self.records, "curve": self.curve, "final_loss": self.final_loss, "diverged": self.diverged,
+            "steps": self.steps_done, "total_steps": self.total,
+            "tokens": self.budget.tokens() * self.steps_done // max(1, self.total), "num_heads": self.cfg.num_heads,
+            "head_dim": self.cfg.head_dim, "params": sum(p.numel() for p in self.model.parameters()),
+            "cuda_graphs": self.step.graphs, "graph_fallback": self.step.fallback, "train_s": self.train_s,
+            "wall_s": time.perf_counter() - self.t0,
+        }
+
+
+def train_together(runs: list[JobRun]) -> list[dict[str, Any] | BaseException]:
+    """Step ``runs`` in turn, one queued step each, until all are done. The host queues work on every job's stream
+    while the GPU runs the others', so no job waits on another's host time.
+
+    Returns each run's :meth:`JobRun.result`, in order, or the exception that stopped it (the others go on)."""
+    if any(r.stream is not None for r in runs):
+        torch.cuda.synchronize()  # every job's model and splits are on the device before any stream reads them
+    out: list[dict[str, Any] | BaseException | None] = [None] * len(runs)
+    active = [(k, iter(r.steps())) for k, r in enumerate(runs)]
+    while active:
+        still = []
+        for k, it in active:
+            try:
+                next(it)
+                still.append((k, it))
+            except StopIteration:
+                out[k] = runs[k].result()
+            except Exception as err:  # noqa: BLE001 - one broken job must not stop the others
+                out[k] = err
+        active = still
+    return out  # type: ignore[return-value]
+
+
 def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
               settings: list[MQARSetting], device: torch.device,
-              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> dict[str, Any]:
     """Train one model on ``budget``'s mixture and score it on each of ``settings``; ``progress`` is called with
-    each point of the curve as it is measured.
+    each point of the curve as it is measured; ``graphs``: replay the steps from CUDA graphs on CUDA.
 
     Returns a JSON-able record: ``records`` (one per setting: validation and test accuracy, state size), ``curve``
-    (validation accuracy per setting after every epoch), the mean loss of the last steps, steps, parameters, wall
-    time, and ``diverged`` (a non-finite loss stops training; the model is scored as it stands)."""
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    cfg = model_config(choice, width, budget.head_dim, budget.vocab_size)
-    model = models.build_model(cfg).to(device)
-    train = [MQARSplit(s, "train", n, budget.batch_size(s), seed=seed) for s, n in budget.mixture()]
-    valid = [MQARSplit(s, "valid", budget.valid_examples, budget.batch_size(s)) for s in settings]
-    total = budget.epochs * budget.steps_per_epoch()
-    optimizer = build_optimizer(model, lr=lr, betas=budget.betas, weight_decay=budget.weight_decay, eps=budget.eps)
-    scheduler = build_scheduler(optimizer, warmup_steps=max(1, round(budget.warmup_frac * total)),
-                                total_steps=total, min_ratio=budget.min_lr_ratio)
-    step, diverged, final_loss, window, curve = 0, False, math.nan, [], []
-    model.train()
-    for epoch in range(budget.epochs):
-        for i, idx in epoch_batches(train, epoch, seed):
-            inputs, positions, values = train[i].take(idx, device)
-            with autocast(device):
-                logits = answer_logits(model, inputs, positions)
-            loss = F.cross_entropy(logits.float(), values.flatten())
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)
-            window.append(loss.detach())
-            if len(window) == CHECK_EVERY or step + 1 == total:  # one host sync per CHECK_EVERY steps
-                recent = torch.stack(window)
-                diverged = not bool(torch.isfinite(recent).all() and torch.isfinite(grad_norm))
-                final_loss, window = float(recent.mean()), []
-                if diverged:
-                    break
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-        curve.append({"epoch": epoch + 1, "step": step, "s": round(time.perf_counter() - t0, 2),
-                      "loss": final_loss, "valid": {v.setting.name: accuracy(model, v, device) for v in valid}})
-        if progress is not None:
-            progress(curve[-1])
-        if diverged:
-            break
-    train_s = time.perf_counter() - t0
-    records = []
-    for v in valid:
-        test = MQARSplit(v.setting, "test", budget.test_examples, v.batch)
-        state, recurrent = state_elements(cfg, v.setting.seq_len)
-        records.append({"setting": v.setting.name, "valid_acc": curve[-1]["valid"][v.setting.name],
-                        "test_acc": accuracy(model, test, device), "state": state, "state_recurrent": recurrent})
-    return {
-        "mixer": choice.label, "width": width, "lr": lr, "seed": seed, "records": records, "curve": curve,
-        "final_loss": final_loss, "diverged": diverged, "steps": step, "total_steps": total,
-        "tokens": budget.tokens() * step // max(1, total), "num_heads": cfg.num_heads, "head_dim": cfg.head_dim,
-        "params": sum(p.numel() for p in model.parameters()), "train_s": train_s,
-        "wall_s": time.perf_counter() - t0,
-    }
+    (validation accuracy per setting after every epoch), the mean loss of the last steps, steps, parameters,
+    whether CUDA graphs ran the steps (``cuda_graphs``; ``graph_fallback``: why not, when a capture failed), wall
+    time, and ``diverged`` (a non-finite loss or gradient stops training; the model is scored as it stands)."""
+    result = train_together([JobRun(choice, width, lr, seed, budget, settings, device, progress, graphs)])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -1,4 +1,5 @@
-"""Whether fla's tensor-core diagonal blocks are exact for the gates at hand (``safe_gate``), checked on every call.
+"""Whether fla's tensor-core diagonal blocks are exact for the gates at hand (``safe_gate``), checked on every call
+(but inside a CUDA graph capture or :func:`exact_only`, which take the exact path).
 
 fla's chunk-64 kernels (``chunk_kda``, the asymmetric ones) have two paths for the 16 x 16 diagonal blocks of each
 chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls (``safe_gate``) that split each decay
@@ -8,6 +9,9 @@ chunk: a token-by-token loop with exact pairwise decays, and tensor-core matmuls
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -45,6 +49,29 @@ class SafeGate:
         return ok
 
 
+EXACT_ONLY = SafeGate(torch.zeros((), dtype=torch.bool))
+"""The answer inside a CUDA graph capture and under :func:`exact_only`: the exact token loop, right for every gate (a
+graph cannot read a device value at replay)."""
+_EXACT_ONLY: ContextVar[bool] = ContextVar("exact_only", default=False)
+
+
+@contextmanager
+def exact_only() -> Iterator[None]:
+    """Within this context every check answers :data:`EXACT_ONLY`, without looking at the gates: steps that will
+    be captured in a CUDA graph run the kernels the graph records (so those are compiled and tuned before the
+    capture), and eager and replayed steps compute alike."""
+    token = _EXACT_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _EXACT_ONLY.reset(token)
+
+
+def _capturing(x: Tensor) -> bool:
+    """Whether the check must not read ``x``: under :func:`exact_only`, or while its CUDA stream is captured."""
+    return _EXACT_ONLY.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 @triton.jit
 def _steepest_kernel(g_ptr, out_ptr, R, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     """``out[r] = -min_k g[r, k]`` for ``BR`` rows of ``g [R, K]`` per program; NaN where a row holds a NaN."""
@@ -78,6 +105,8 @@ def safe_gate(g: Tensor) -> SafeGate:
     Conservative: it sums each token's steepest channel, and packed sequences' windows may straddle a boundary.
     Non-finite gates give ``False`` (the exact token loop).
     """
+    if _capturing(g):
+        return EXACT_ONLY
     g = g.detach()
     if g.dim() == 3:
         return safe_steepest(g.float().neg())  # [B, T, H]
@@ -86,6 +115,8 @@ def safe_gate(g: Tensor) -> SafeGate:
 
 def safe_steepest(steep: Tensor) -> SafeGate:
     """:func:`safe_gate` from each token's steepest channel ``steep = -min_K g`` ``[B, T, H]``."""
+    if _capturing(steep):
+        return EXACT_ONLY
     if steep.shape[1] == 0:
         return SafeGate(torch.ones((), dtype=torch.bool, device=steep.device))
     w = min(SAFE_GATE_STEPS, steep.shape[1])
