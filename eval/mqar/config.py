@@ -44,7 +44,7 @@ class MQARConfig:
     settings: list[str] = field(default_factory=lambda: list(ZOOLOGY_SETTINGS))
     test_settings: list[str] = field(default_factory=lambda: list(LONG_SETTINGS))
     seeds: list[int] = field(default_factory=lambda: [0])
-    lrs: list[float] = field(default_factory=lambda: [1e-4, 3e-4, 1e-3])
+    lrs: list[float] = field(default_factory=lambda: [3e-4, 1e-3])
     train_examples: int = 100_000
     max_train_tokens: int = 4_194_304
     valid_examples: int = 1_000
