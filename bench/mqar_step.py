@@ -64,7 +64,7 @@ def measure(mixer: str, width: int, setting: MQARSetting, way: str, steps: int, 
     return {"mixer": mixer, "width": width, "setting": setting.name, "way": way, "ms": ms,
             "tokens_per_s": batch * setting.seq_len / ms * 1e3, "finite": bool(torch.isfinite(losses).all()),
             "last_loss": float(losses[-1]), "added_mem_gb": (torch.cuda.max_memory_allocated() - base) / 2**30,
-            "captured": bool(step._captured), "fallback": step.fallback}
+            "captured": bool(step.captured), "fallback": step.fallback}
 
 
 def write(path: Path, args: argparse.Namespace, rows: list[dict]) -> None:

@@ -311,7 +311,7 @@ def test_graph_steps_match_eager_steps(mixer: str) -> None:
             loss, norm = step(*split.take(torch.arange(idx * split.batch, (idx + 1) * split.batch), "cuda"))
             sched.step()
             losses[k].append(float(loss))
-    assert steps[1][0].graphs and steps[1][0].fallback is None and len(steps[1][0]._captured) == 2
+    assert steps[1][0].graphs and steps[1][0].fallback is None and len(steps[1][0].captured) == 2
     a, b = torch.tensor(losses[0]), torch.tensor(losses[1])
     assert (a - b).norm() / a.norm() < 1e-2, (losses[0], losses[1])
     pa = torch.cat([p.detach().float().flatten() for p in models_[0].parameters()])

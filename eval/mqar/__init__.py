@@ -6,19 +6,21 @@ from eval.mqar.config import ALL_MIXERS, LONG_SETTINGS, PRESETS, ZOOLOGY_SETTING
 from eval.mqar.data import GEN_BLOCK, IGNORE, MQARSetting, MQARSplit, generate
 from eval.mqar.report import load_results, plot, table, write_report
 from eval.mqar.run import Job, build_jobs, flatten, run_grid, summarize
+from eval.mqar.step import TrainStep, answer_logits
 from eval.mqar.train import (
     Budget,
+    JobRun,
     MixerChoice,
     accuracy,
-    answer_logits,
     model_config,
     state_elements,
     train_job,
+    train_together,
 )
 
 __all__ = [
-    "ALL_MIXERS", "GEN_BLOCK", "IGNORE", "LONG_SETTINGS", "PRESETS", "ZOOLOGY_SETTINGS", "Budget", "Job",
-    "MQARConfig", "MQARSetting", "MQARSplit", "MixerChoice", "accuracy", "answer_logits",
+    "ALL_MIXERS", "GEN_BLOCK", "IGNORE", "LONG_SETTINGS", "PRESETS", "ZOOLOGY_SETTINGS", "Budget", "Job", "JobRun",
+    "MQARConfig", "MQARSetting", "MQARSplit", "MixerChoice", "TrainStep", "accuracy", "answer_logits",
     "build_jobs", "flatten", "generate", "load_results", "model_config", "parse_overrides", "plot", "run_grid",
-    "state_elements", "summarize", "table", "train_job", "write_report",
+    "state_elements", "summarize", "table", "train_job", "train_together", "write_report",
 ]
