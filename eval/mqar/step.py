@@ -72,18 +72,19 @@ class TrainStep:
         """Why graphs were given up (the capture's error), or ``None``."""
         self._seen: Counter[tuple] = Counter()
         self._captured: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]] = {}
-        self._pool = None  # one memory pool for all of this model's graphs (replayed one at a time, on one stream)
-        # Its own capture stream: a graph keeps the cuBLAS workspace of the stream it was captured on, and graphs of
-        # jobs that replay side by side must not share one
-        self._capture_stream = torch.cuda.Stream(device) if self.graphs else None
         if self.graphs:
+            # one memory pool for all of this model's graphs (they replay one at a time, on one stream), and its own
+            # capture stream: a graph keeps the cuBLAS workspace of the stream it was captured on, and graphs of
+            # jobs that replay side by side must not share one
+            self._pool = torch.cuda.graph_pool_handle()
+            self._capture_stream = torch.cuda.Stream(device)
             for group in optimizer.param_groups:
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
                 group["capturable"] = True
 
     @property
     def captured(self) -> list[tuple]:
-        """The batch shapes ``((B, T), (B, P))`` replayed from a graph so far."""
+        """The batch shapes ``((B, T), (B, P))`` captured in a graph so far."""
         return list(self._captured)
 
     def __call__(self, inputs: Tensor, positions: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,8 +125,6 @@ class TrainStep:
                  ) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]] | None:
         static = tuple(x.clone() for x in (inputs, positions, values))
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 outputs = self._step(*static)
