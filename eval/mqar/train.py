@@ -188,13 +188,11 @@ class JobRun:
         """Train, yielding after each queued step and each epoch's validation; then score the test splits."""
         window: list[tuple[Tensor, Tensor]] = []
         for epoch in range(self.budget.epochs):
-            with self.on_stream():
-                orders = [split.order(epoch).to(self.device) for split in self.train]
+            with self.on_stream():  # each split's order for the epoch, on the device once, cut into its batches
+                batches = [split.order(epoch).to(self.device).split(split.batch) for split in self.train]
             for i, j in epoch_batches(self.train, epoch, self.seed):
                 with self.on_stream():
-                    split = self.train[i]
-                    window.append(self.step(*split.take(orders[i][j * split.batch:(j + 1) * split.batch],
-                                                        self.device)))
+                    window.append(self.step(*self.train[i].take(batches[i][j], self.device)))
                     self.scheduler.step()
                     self.steps_done += 1
                     if len(window) == CHECK_EVERY or self.steps_done == self.total:  # one host sync per window
