@@ -183,6 +183,16 @@ def test_front_conv_rejects_bad_shapes() -> None:
                         2, 8, 8)
 
 
+def _cuda_checks() -> dict:
+    """``CHECK``'s functions, run in this process on CUDA (the test is skipped without it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, "tests")
+    scope: dict = {}
+    exec(CHECK, scope)
+    return scope
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     ("float32", 2, 300, 4, 64, 64, 9, None),
@@ -191,21 +201,13 @@ def test_front_conv_rejects_bad_shapes() -> None:
     ("bfloat16", 1, 900, 4, 128, 256, 16, (300, 2, 0, 450, 148)),
 ])
 def test_front_conv_on_cuda_matches_float64(case: tuple) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    sys.path.insert(0, "tests")
-    scope: dict = {}
-    exec(CHECK, scope)
-    _assert_close({"cuda": scope["check"]("cuda", getattr(torch, case[0]), *case[1:7], case[7], 0)}, case[0])
+    check = _cuda_checks()["check"]
+    _assert_close({"cuda": check("cuda", getattr(torch, case[0]), *case[1:7], case[7], 0)}, case[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [("float32", 3, 4, 64, 64, 9), ("bfloat16", 64, 16, 128, 128, 400),
                                   ("bfloat16", 1, 4, 128, 256, 16)])
 def test_front_conv_step_on_cuda_matches_float64(case: tuple) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    sys.path.insert(0, "tests")
-    scope: dict = {}
-    exec(CHECK, scope)
-    _assert_close({"cuda": scope["check_step"]("cuda", getattr(torch, case[0]), *case[1:], 0)}, case[0])
+    check_step = _cuda_checks()["check_step"]
+    _assert_close({"cuda": check_step("cuda", getattr(torch, case[0]), *case[1:], 0)}, case[0])
