@@ -335,6 +335,37 @@ def test_jobs_stepped_in_turn_equal_jobs_run_alone(one_thread) -> None:
     assert alone[0]["final_loss"] != alone[1]["final_loss"]
 
 
+def test_a_job_stopped_after_an_epoch_resumes_from_its_checkpoint(tmp_path, one_thread) -> None:
+    """A job abandoned mid-epoch restarts from the state it wrote after its last finished epoch and ends exactly as
+    the uninterrupted job (curve, loss, accuracies, parameters); a checkpoint of another job is ignored."""
+    cfg, _ = parse_overrides(["preset=cpu", "settings=32x4,48x4", "vocab_size=64", "head_dim=32",
+                              "train_examples=128", "valid_examples=32", "test_examples=32", "batch_tokens=256",
+                              "epochs=3"])
+    args = (MixerChoice.parse("kdn_diag"), 64, 3e-3, 0, cfg.budget(), cfg.scored_settings(), torch.device("cpu"))
+    path, identity = tmp_path / "job.pt", {"job": "kdn_diag", "budget": [1, 2]}
+    whole = JobRun(*args)
+    ref = train_together([whole])[0]
+    first = JobRun(*args, checkpoint=path, identity=identity)
+    steps = first.steps()
+    while not path.exists():
+        next(steps)
+    for _ in range(3):  # into the second epoch: these steps are lost with the process
+        next(steps)
+    saved_at = torch.load(path, weights_only=True)["steps_done"]
+    assert 0 < saved_at < first.steps_done < ref["steps"]
+    resumed = JobRun(*args, checkpoint=path, identity=identity)
+    assert resumed.start_epoch == 1 and resumed.steps_done == saved_at
+    res = train_together([resumed])[0]
+    keys = ("records", "final_loss", "steps", "tokens", "diverged")
+    assert {k: res[k] for k in keys} == {k: ref[k] for k in keys} and res["resumed_from"] == [1]
+    assert json.dumps([(c["step"], c["loss"], c["valid"]) for c in res["curve"]]) == json.dumps(
+        [(c["step"], c["loss"], c["valid"]) for c in ref["curve"]])  # NaN loss before the first 50-step check
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.equal(p, q)
+    other = JobRun(*args, checkpoint=path, identity={**identity, "budget": [1, 3]})
+    assert other.start_epoch == 0 and other.steps_done == 0 and other.resumed_from == []
+
+
 @pytest.mark.gpu
 def test_jobs_trained_together_match_jobs_trained_alone() -> None:
     """Three jobs of one learning-rate sweep (one seed), stepped in turn on their own streams and replayed from
@@ -349,6 +380,25 @@ def test_jobs_trained_together_match_jobs_trained_alone() -> None:
     for x, y in zip(alone, together):
         assert x["steps"] == y["steps"] == 16 and x["cuda_graphs"] and y["cuda_graphs"] and not y["diverged"]
         assert abs(x["final_loss"] - y["final_loss"]) < 1e-2 * x["final_loss"], (x["final_loss"], y["final_loss"])
+
+
+@pytest.mark.gpu
+def test_a_graphed_job_resumes_from_its_checkpoint(tmp_path) -> None:
+    """On CUDA, with steps replayed from graphs, a job restarted from its first epoch's checkpoint (optimiser state
+    and a learning rate that a graph reads from the device) trains on as the uninterrupted job does."""
+    cfg = parse_overrides(["preset=smoke", "settings=64x4,512x64", "test_settings=", "max_train_tokens=131072",
+                           "batch_tokens=16384", "valid_examples=256", "test_examples=256", "epochs=2"])[0]
+    args = (MixerChoice.parse("kdn_diag"), 128, 1e-3, 0, cfg.budget(), cfg.setting_objects(), torch.device("cuda"))
+    ref = train_job(*args)
+    path = tmp_path / "job.pt"
+    steps = JobRun(*args, checkpoint=path, identity={"job": 1}).steps()
+    while not path.exists():
+        next(steps)
+    del steps
+    res = train_together([JobRun(*args, checkpoint=path, identity={"job": 1})])[0]
+    assert res["resumed_from"] == [1] and res["steps"] == ref["steps"] == 32 and res["cuda_graphs"]
+    assert abs(res["final_loss"] - ref["final_loss"]) < 1e-2 * ref["final_loss"], (res["final_loss"],
+                                                                                    ref["final_loss"])
 
 
 def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:

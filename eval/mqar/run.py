@@ -4,7 +4,8 @@ each, run by a pool of processes on one device.
 Small models leave a GPU idle, so ``workers`` processes share it, each training a group of ``streams`` jobs side
 by side (one CUDA stream each, steps replayed from CUDA graphs), the longest jobs first. Every finished job is
 written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun skips jobs whose file holds the same
-budget and settings, so an interrupted grid resumes where it stopped.
+budget and settings, so an interrupted grid resumes where it stopped. An unfinished job keeps its state after
+each epoch in ``out/partial/<job>.pt``, and a rerun continues it from there.
 """
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def partial_path(out: str | Path, job: Job) -> Path:
+    """Where an unfinished job keeps its state after each epoch (:class:`JobRun`'s ``checkpoint``)."""
+    return Path(out) / "partial" / f"{job.name}.pt"
+
+
 def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[dict[str, Any]]:
     """In a pool process: train ``jobs`` together on ``device`` (:func:`train_together`), store each result and
     return them; a job that raises returns ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it
@@ -111,7 +117,8 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
     for job in jobs:
         try:
             runs.append((job, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget, list(job.settings),
-                                     torch.device(device), progress(job), graphs)))
+                                     torch.device(device), progress(job), graphs, partial_path(out, job),
+                                     job.identity())))
         except Exception as err:  # noqa: BLE001 - one broken mixer must not take the other jobs down with it
             failed.append({"job": job.name, "error": f"{type(err).__name__}: {err}"})
     results = []
@@ -121,6 +128,7 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
             continue
         res["job"], res["identity"], res["git_commit"] = job.name, job.identity(), commit
         write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", res)
+        partial_path(out, job).unlink(missing_ok=True)
         results.append(res)
     del runs
     if torch.device(device).type == "cuda":

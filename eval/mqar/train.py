@@ -13,10 +13,13 @@ job's own stream, and :func:`train_together` interleaves several jobs in one pro
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,20 +156,31 @@ class JobRun:
     interleaves with other jobs'. On CUDA every job has its own stream, so the kernels of several small models run
     side by side on one GPU, and its steps are replayed from CUDA graphs (``graphs``, :class:`TrainStep`).
 
-    Args: as :func:`train_job`.
+    With ``checkpoint``, the job's whole state (model, optimiser, schedule, curve, the loss window) is written there
+    after every epoch but the last (temp file, then ``os.replace``), and a job built on a checkpoint of the same
+    ``identity`` starts at the epoch after it: a grid stopped by a time limit loses at most one epoch per job. The
+    epoch orders depend only on ``(seed, epoch)``, so on the CPU a resumed job ends exactly as an uninterrupted one.
+
+    Args: as :func:`train_job`, and ``checkpoint`` (a file path, or ``None``: no checkpoints), ``identity`` (a
+    JSON-able description of the job; a checkpoint of another identity is ignored and overwritten).
     """
 
     def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
                  settings: list[MQARSetting], device: torch.device,
-                 progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> None:
+                 progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
+                 checkpoint: Path | None = None, identity: dict[str, Any] | None = None) -> None:
         self.t0 = time.perf_counter()
         self.choice, self.width, self.lr, self.seed, self.budget = choice, width, lr, seed, budget
         self.device, self.progress = device, progress
+        self.checkpoint, self.identity = checkpoint, json.loads(json.dumps(identity or {}))
+        saved = self._load_checkpoint()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with self.on_stream():
             torch.manual_seed(seed)
             self.cfg = model_config(choice, width, budget.head_dim, budget.vocab_size)
             self.model = models.build_model(self.cfg).to(device)
+            if saved is not None:
+                self.model.load_state_dict(saved["model"])
             self.train = [MQARSplit(s, "train", n, budget.batch_size(s), seed=seed) for s, n in budget.mixture()]
             self.valid = [MQARSplit(s, "valid", budget.valid_examples, budget.batch_size(s)) for s in settings]
             for split in (*self.train, *self.valid):
@@ -176,9 +190,44 @@ class JobRun:
                                         eps=budget.eps)
             self.scheduler = build_scheduler(optimizer, warmup_steps=max(1, round(budget.warmup_frac * self.total)),
                                              total_steps=self.total, min_ratio=budget.min_lr_ratio)
+            if saved is not None:  # before TrainStep, which makes each group's restored learning rate a tensor
+                optimizer.load_state_dict(saved["optimizer"])
+                self.scheduler.load_state_dict(saved["scheduler"])
             self.step = TrainStep(self.model, optimizer, budget.grad_clip, device, graphs)
         self.steps_done, self.diverged, self.final_loss, self.curve = 0, False, math.nan, []
+        self.start_epoch, self.before_s, self.resumed_from, self._window = 0, 0.0, [], []
+        if saved is not None:
+            self.steps_done, self.final_loss, self.curve = saved["steps_done"], saved["final_loss"], saved["curve"]
+            self.start_epoch, self.before_s = saved["epoch"], saved["elapsed_s"]
+            self.resumed_from = [*saved["resumed_from"], saved["epoch"]]
+            self._window = [(loss.to(device), norm.to(device)) for loss, norm in saved["window"]]
         self.train_s = 0.0
+
+    def elapsed(self) -> float:
+        """Seconds this job has run, over every process that ran a part of it."""
+        return self.before_s + time.perf_counter() - self.t0
+
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        """The stored state of this job, or ``None`` when there is none, it is unreadable or of another identity."""
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return None
+        try:
+            saved = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
+        except Exception:  # noqa: BLE001 - a torn or foreign file: train from the start and overwrite it
+            return None
+        return saved if saved.get("identity") == self.identity else None
+
+    def _save_checkpoint(self, epochs_done: int, window: list[tuple[Tensor, Tensor]]) -> None:
+        """The whole state after ``epochs_done`` epochs, written atomically to ``checkpoint``."""
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        state = {"identity": self.identity, "epoch": epochs_done, "steps_done": self.steps_done,
+                 "final_loss": self.final_loss, "curve": self.curve, "elapsed_s": self.elapsed(),
+                 "resumed_from": self.resumed_from, "window": [(loss.cpu(), norm.cpu()) for loss, norm in window],
+                 "model": self.model.state_dict(), "optimizer": self.step.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict()}
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint)
 
     def on_stream(self) -> contextlib.AbstractContextManager:
         """The job's CUDA stream as the current one (nothing off CUDA)."""
@@ -186,8 +235,8 @@ class JobRun:
 
     def steps(self) -> Iterator[None]:
         """Train, yielding after each queued step and each epoch's validation; then score the test splits."""
-        window: list[tuple[Tensor, Tensor]] = []
-        for epoch in range(self.budget.epochs):
+        window = self._window
+        for epoch in range(self.start_epoch, self.budget.epochs):
             with self.on_stream():  # each split's order for the epoch, on the device once, cut into its batches
                 batches = [split.order(epoch).to(self.device).split(split.batch) for split in self.train]
             for i, j in epoch_batches(self.train, epoch, self.seed):
@@ -203,16 +252,17 @@ class JobRun:
                     break
                 yield
             with self.on_stream():
-                self.curve.append({"epoch": epoch + 1, "step": self.steps_done,
-                                   "s": round(time.perf_counter() - self.t0, 2), "loss": self.final_loss,
-                                   "valid": {v.setting.name: accuracy(self.model, v, self.device)
-                                             for v in self.valid}})
+                valid = {v.setting.name: accuracy(self.model, v, self.device) for v in self.valid}
+                self.curve.append({"epoch": epoch + 1, "step": self.steps_done, "s": round(self.elapsed(), 2),
+                                   "loss": self.final_loss, "valid": valid})
+                if self.checkpoint is not None and not self.diverged and epoch + 1 < self.budget.epochs:
+                    self._save_checkpoint(epoch + 1, window)
             if self.progress is not None:
                 self.progress(self.curve[-1])
             yield
             if self.diverged:
                 break
-        self.train_s = time.perf_counter() - self.t0
+        self.train_s = self.elapsed()
         with self.on_stream():
             self.records = []
             for v in self.valid:
@@ -231,7 +281,7 @@ class JobRun:
             "tokens": self.budget.tokens() * self.steps_done // max(1, self.total), "num_heads": self.cfg.num_heads,
             "head_dim": self.cfg.head_dim, "params": sum(p.numel() for p in self.model.parameters()),
             "cuda_graphs": self.step.graphs, "graph_fallback": self.step.fallback, "train_s": self.train_s,
-            "wall_s": time.perf_counter() - self.t0,
+            "wall_s": self.elapsed(), "resumed_from": self.resumed_from,
         }
 
 
