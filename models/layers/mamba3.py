@@ -118,15 +118,19 @@ def mamba3_scan(
     seg = (cs[..., :, None] - cs[..., None, :]).masked_fill(idx[:, None] < idx[None, :], float("-inf"))
     own = torch.diag_embed(gc.transpose(2, 3))  # s == t: the token's own write
     weight = seg.exp() * torch.where(idx[:, None] > idx[None, :], sc.transpose(2, 3)[..., None, :], 0.0) + own
-    weight = weight.repeat_interleave(R, -1).repeat_interleave(R, -2)  # [B,C,H,cR,cR]
-    y = ((Qm @ Km.transpose(-1, -2)) * weight) @ Xm  # intra-chunk
+    scores = (Qm @ Km.transpose(-1, -2)).view(B, C, H, chunk, R, chunk, R) * weight[..., :, None, :, None]
+    y = scores.view(B, C, H, chunk * R, chunk * R) @ Xm  # intra-chunk; rows and columns are (token, rank)
     decay_in = cs.exp().repeat_interleave(R, -1)[..., None]  # [B,C,H,cR,1]
     decay_out = ((cs[..., -1:] - cs).exp() * sc.transpose(2, 3)).repeat_interleave(R, -1)[..., None]
-    inter = []
-    for c in range(C):
-        inter.append((Qm[:, c] @ S) * decay_in[:, c])
-        S = cs[:, c, :, -1].exp()[..., None, None] * S + (Km[:, c] * decay_out[:, c]).transpose(-1, -2) @ Xm[:, c]
-    y = y + torch.stack(inter, 1)  # [B,C,H,cR,P]
+    # Every chunk's write, decayed to the chunk's end, in one batched product; the loop carries only the
+    # [B,H,N,P] state. Slicing the [B,C,...] tensors per chunk instead would make each slice's backward write a
+    # zero tensor of the whole [B,C,...] size: quadratic in the number of chunks.
+    writes = (Km * decay_out).transpose(-1, -2) @ Xm  # [B,C,H,N,P]
+    before = []  # the state entering each chunk
+    for write, decay in zip(writes.unbind(1), cs[..., -1].exp().unbind(1)):
+        before.append(S)
+        S = decay[..., None, None] * S + write
+    y = y + (Qm @ torch.stack(before, 1)) * decay_in  # [B,C,H,cR,P]
     y = y.reshape(B, C, H, chunk, R, P).permute(0, 1, 3, 4, 2, 5).reshape(B, C * chunk, R, H, P)[:, :T]
     y = y + D.to(f)[:, None] * xv
     if mimo is None:
