@@ -32,7 +32,7 @@ from eval.mqar import (
     write_report,
 )
 from eval.mqar.data import block_seed
-from eval.mqar.run import git_commit, header
+from eval.mqar.run import git_commit, groups, header
 from eval.mqar.step import TrainStep
 from eval.mqar.train import JobRun, train_together
 from models import build_model
@@ -245,6 +245,16 @@ def test_attention_learns_mqar(one_thread) -> None:
     assert [r["setting"] for r in result["records"]] == ["32x4", "40x4"]
     assert result["records"][0]["test_acc"] > 0.9, result["records"]
     assert result["curve"][1]["valid"]["32x4"] > 0.9
+
+
+def test_groups_hold_one_mixer_and_width() -> None:
+    """A group's jobs are stepped in turn, so a slow mixer must not set the pace of another's jobs."""
+    cfg, _ = parse_overrides(["preset=cpu", "mixers=kda,attn", "widths=64,128", "lrs=1e-3,3e-3", "seeds=0,1"])
+    tasks = groups(build_jobs(cfg), 3)
+    assert [len(g) for g in tasks] == [3, 1] * 4
+    assert all(len({(j.mixer, j.width) for j in g}) == 1 for g in tasks)
+    assert [g[0].width for g in tasks] == [128] * 4 + [64] * 4
+    assert sorted(j.name for g in tasks for j in g) == sorted(j.name for j in build_jobs(cfg))
 
 
 def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:

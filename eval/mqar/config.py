@@ -33,9 +33,9 @@ class MQARConfig:
     ``(setting, mixer, width)`` by the mean validation accuracy over seeds; the test accuracy at that rate is
     reported.
 
-    How it runs (no effect on the results' identity): ``workers`` processes (0: 4 on CUDA, 1 on the CPU), each
-    training ``streams`` jobs side by side on their own CUDA streams (0: 3 on CUDA, 1 on the CPU), their steps
-    replayed from CUDA graphs when ``graphs``.
+    How it runs (no effect on the results' identity): ``workers`` processes (0: 6 on CUDA, 1 on the CPU), each
+    training up to ``streams`` jobs of one ``(mixer, width)`` side by side on their own CUDA streams (0: 3 on CUDA,
+    1 on the CPU), their steps replayed from CUDA graphs when ``graphs``.
     """
 
     preset: str = "auto"

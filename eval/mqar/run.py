@@ -1,11 +1,11 @@
 """The MQAR grid: one job per ``(mixer, width, lr, seed)``, trained on the mixture of the settings and scored on
 each, run by a pool of processes on one device.
 
-Small models leave a GPU idle, so ``workers`` processes share it, each training a group of ``streams`` jobs side
-by side (one CUDA stream each, steps replayed from CUDA graphs), the longest jobs first. Every finished job is
-written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun skips jobs whose file holds the same
-budget and settings, so an interrupted grid resumes where it stopped. An unfinished job keeps its state after
-each epoch in ``out/partial/<job>.pt``, and a rerun continues it from there.
+Small models leave a GPU idle, so ``workers`` processes share it, each training a group of up to ``streams`` jobs
+of one mixer and width side by side (one CUDA stream each, steps replayed from CUDA graphs), the longest first.
+Every finished job is written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun skips jobs
+whose file holds the same budget and settings, so an interrupted grid resumes where it stopped. An unfinished job
+keeps its state after each epoch in ``out/partial/<job>.pt``, and a rerun continues it from there.
 """
 from __future__ import annotations
 
@@ -137,9 +137,16 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
 
 
 def groups(jobs: list[Job], size: int) -> list[list[Job]]:
-    """``jobs`` (longest first) in consecutive groups of at most ``size``: a group trains in one process, its jobs
-    side by side on their own CUDA streams, so each group holds jobs of about the same length."""
-    return [jobs[i:i + size] for i in range(0, len(jobs), size)]
+    """``jobs`` (longest first) in consecutive groups of at most ``size`` jobs of one ``(mixer, width)`` cell (its
+    learning rates and seeds): a group trains in one process, its jobs stepped in turn, so it goes at the pace of
+    its slowest job, and the jobs of one cell take the same time."""
+    out: list[list[Job]] = []
+    for job in jobs:
+        if out and len(out[-1]) < size and (out[-1][0].mixer, out[-1][0].width) == (job.mixer, job.width):
+            out[-1].append(job)
+        else:
+            out.append([job])
+    return out
 
 
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
@@ -158,7 +165,7 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
             results.append(done)
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
     tasks = groups(todo, streams)
-    workers = min(cfg.workers or (4 if device.type == "cuda" else 1), max(1, len(tasks)))
+    workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
     budget = cfg.budget()
     log(f"mqar: {len(jobs)} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
