@@ -278,8 +278,25 @@ def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
     assert "2 stored, 0 to run" in lines[-1] and sorted(str(r["records"]) for r in again) == sorted(
         str(r["records"]) for r in records)
     cfg2, _ = parse_overrides([*argv, "train_examples=96"])  # another budget: rerun, not reuse
+    report_only, _ = parse_overrides([*argv, "train_examples=96", "train=false"])
+    assert run_grid(report_only, log=lines.append) == ([], []) and "0 stored" in lines[-1]
     run_grid(cfg2, log=lines.append)
     assert "0 stored, 2 to run" in lines[-3]
+
+
+def test_report_of_a_grid_cut_short(tmp_path, one_thread) -> None:
+    """``train=false`` trains nothing and writes the results, table and plot of the jobs stored so far, naming the
+    jobs that have none."""
+    from eval.mqar.__main__ import main
+
+    argv = ["mixers=attn", "widths=64", "settings=32x4", "lrs=3e-3", "train_examples=64", "valid_examples=32",
+            "test_examples=32", "batch_tokens=1024", "vocab_size=64", f"out={tmp_path}", "preset=cpu"]
+    main(argv)
+    main([*argv, "mixers=attn,kdn_iso", "train=false"])
+    data = json.loads((tmp_path / "mqar.json").read_text())
+    assert data["missing_jobs"] == ["kdn_iso_d64_lr0.003_s0"] and data["config"]["train"] is False
+    assert {r["mixer"] for r in data["rows"]} == {"attn"} and (tmp_path / "mqar.md").exists()
+    assert not list(tmp_path.glob("jobs/kdn_iso*")) and data["jobs"][0]["device"]
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 Keys are the fields of :class:`eval.mqar.config.MQARConfig` (lists comma-separated), e.g.
 ``python -m eval.mqar mixers=kdn_diag,kda widths=64 settings=64x4 seeds=0,1,2``; ``preset=smoke`` (or ``--quick``)
-runs every mixer with one pass over 5 % of the tokens.
+runs every mixer with one pass over 5 % of the tokens; ``train=false`` reports the jobs stored so far.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
-from eval.mqar.run import flatten, header, run_grid, summarize
+from eval.mqar.run import flatten, header, run_grid, stored, summarize
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -35,9 +35,10 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     commit, t0 = git_commit(), time.perf_counter()
     results, failed = run_grid(cfg)
+    missing = [job.name for job in stored(cfg)[1]]
     records = [r for res in results for r in flatten(res)]
     data = {**header(cfg, time.perf_counter() - t0, commit), "jobs_wall_s": sum(r["wall_s"] for r in results),
-            "failed_jobs": failed,
+            "failed_jobs": failed, "missing_jobs": missing,
             "rows": summarize(records, cfg),
             "jobs": sorted(records, key=lambda r: (r["setting"], r["mixer"], r["width"], r["lr"], r["seed"])),
             "curves": sorted(({k: res[k] for k in ("job", "mixer", "width", "lr", "seed", "curve")} for res in results),
@@ -47,6 +48,9 @@ def main(argv: list[str]) -> None:
     print(table(data))
     print(f"mqar: {len(results)} models in {data['wall_s']:.0f}s (their own times: {data['jobs_wall_s']:.0f}s)")
     print(f"mqar: wrote {cfg.results}, {md} and {png}")
+    if missing and not cfg.train:
+        print(f"mqar: {len(missing)} of {len(missing) + len(results)} jobs have no result yet (missing_jobs); the "
+              "table covers the others")
     if failed:
         raise SystemExit(f"mqar: {len(failed)} job(s) failed (listed in failed_jobs of {cfg.results}); rerun the "
                          "same command to retry them")

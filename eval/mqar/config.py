@@ -35,7 +35,8 @@ class MQARConfig:
 
     How it runs (no effect on the results' identity): ``workers`` processes (0: 6 on CUDA, 1 on the CPU), each
     training up to ``streams`` jobs of one ``(mixer, width)`` side by side on their own CUDA streams (0: 3 on CUDA,
-    1 on the CPU), their steps replayed from CUDA graphs when ``graphs``.
+    1 on the CPU), their steps replayed from CUDA graphs when ``graphs``. ``train=false`` trains nothing and
+    reports the jobs already stored under ``out`` (a grid cut short: the rest are listed as missing).
     """
 
     preset: str = "auto"
@@ -64,6 +65,7 @@ class MQARConfig:
     workers: int = 0
     streams: int = 0
     graphs: bool = True
+    train: bool = True
     threads: int = 1
     out: str = ""
     results: str = ""

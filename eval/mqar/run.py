@@ -127,6 +127,7 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
             failed.append({"job": job.name, "error": f"{type(res).__name__}: {res}"})
             continue
         res["job"], res["identity"], res["git_commit"] = job.name, job.identity(), commit
+        res["device"] = device_name(torch.device(device))
         write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", res)
         partial_path(out, job).unlink(missing_ok=True)
         results.append(res)
@@ -149,20 +150,35 @@ def groups(jobs: list[Job], size: int) -> list[list[Job]]:
     return out
 
 
+def stored(cfg: MQARConfig) -> tuple[list[dict[str, Any]], list[Job]]:
+    """The results of ``cfg``'s jobs stored under ``cfg.out`` (same identity), and the jobs that have none."""
+    results, todo = [], []
+    for job in build_jobs(cfg):
+        done = load_done(Path(cfg.out) / "jobs" / f"{job.name}.json", job)
+        if done is None:
+            todo.append(job)
+        else:
+            results.append(done)
+    return results, todo
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Run every job of ``cfg`` not already stored under ``cfg.out`` (each result keeps the commit it ran at).
     Returns the job results of the grid (:func:`flatten` gives one record per setting) and the jobs that failed
     (``{"job", "error"}``)."""
     device = resolve_device(cfg.device)
-    jobs = build_jobs(cfg)
-    out = Path(cfg.out)
-    results, failed, todo = [], [], []
-    for job in jobs:
-        done = load_done(out / "jobs" / f"{job.name}.json", job)
-        if done is None:
-            todo.append(job)
-        else:
-            results.append(done)
+    results, todo = stored(cfg)
+    jobs, out, failed = build_jobs(cfg), Path(cfg.out), []
+    if not cfg.train:
+        log(f"mqar: {len(jobs)} jobs, {len(results)} stored under {out}, {len(todo)} missing (train=false: none run)")
+        return results, failed
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
     tasks = groups(todo, streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
@@ -235,7 +251,7 @@ def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]
     except ImportError:
         triton_version = None
     device = resolve_device(cfg.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = device_name(device)
     return {
         "schema": SCHEMA, "benchmark": "mqar", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "git_commit": commit, "command": " ".join(["python -m eval.mqar",
