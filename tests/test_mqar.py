@@ -428,6 +428,41 @@ def test_a_graphed_job_resumes_from_its_checkpoint(tmp_path) -> None:
                                                                                     ref["final_loss"])
 
 
+def test_a_terminated_grid_takes_its_workers_with_it(tmp_path) -> None:
+    """SIGTERM (a time limit) stops the grid's worker processes too: none trains on beside the next run."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    def workers(pid: int) -> list[int]:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+    cmd = [sys.executable, "-m", "eval.mqar", "preset=cpu", "mixers=attn,kda", "widths=64", "lrs=1e-3",
+           "train_examples=64000", "workers=2", f"out={tmp_path}"]
+    proc, kids = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids := workers(proc.pid)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the grid did not start its 2 workers"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        time.sleep(1)
+        alive = [k for k in kids if Path(f"/proc/{k}").exists()
+                 and Path(f"/proc/{k}/stat").read_text().split()[2] != "Z"]
+        assert alive == [], f"workers {alive} outlived the grid"
+    finally:
+        proc.kill()
+        for k in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
+
+
 def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:
     cfg, _ = parse_overrides(["mixers=attn/window=0", "widths=64", "settings=32x4", "lrs=1e-3", "train_examples=32",
                               "batch_tokens=1024", f"out={tmp_path}", "preset=cpu"])

@@ -15,7 +15,9 @@ import json
 import os
 import platform
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -169,6 +171,10 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(f"mqar: stopped by signal {signum}; rerun the same command to resume")
+
+
 def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Run every job of ``cfg`` not already stored under ``cfg.out`` (each result keeps the commit it ran at).
     Returns the job results of the grid (:func:`flatten` gives one record per setting) and the jobs that failed
@@ -190,6 +196,10 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
     t0 = time.perf_counter()
     pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    # SIGTERM (a scheduler's time limit, `timeout`) would end this process without unwinding, and the workers,
+    # orphaned, would train on beside the next run; as an exception it reaches the pool's clean-up below
+    main = threading.current_thread() is threading.main_thread()
+    on_term = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
     try:
         done_iter = map(_run_group, args) if pool is None else pool.imap_unordered(_run_group, args)
         i = 0
@@ -207,10 +217,16 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
                     f"loss {res['final_loss']:.3f}{' (diverged)' if res['diverged'] else ''} "
                     f"({res['wall_s']:.0f}s, {res['tokens'] / max(res['train_s'], 1e-9) / 1e6:.2f}M tok/s"
                     f"{'' if res['graph_fallback'] is None else '; eager: ' + res['graph_fallback']})")
+    except BaseException:
+        if pool is not None:
+            pool.terminate()  # stop the workers now: their finished epochs are checkpointed already
+        raise
     finally:
         if pool is not None:
             pool.close()
             pool.join()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     return results, failed
 
 
