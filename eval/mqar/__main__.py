@@ -15,7 +15,7 @@ import torch
 
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
-from eval.mqar.run import flatten, header, run_grid, stored, summarize
+from eval.mqar.run import build_jobs, flatten, header, run_grid, summarize
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -35,7 +35,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     commit, t0 = git_commit(), time.perf_counter()
     results, failed = run_grid(cfg)
-    missing = [job.name for job in stored(cfg)[1]]
+    done = {res["job"] for res in results}
+    missing = [job.name for job in build_jobs(cfg) if job.name not in done]
     records = [r for res in results for r in flatten(res)]
     data = {**header(cfg, time.perf_counter() - t0, commit), "jobs_wall_s": sum(r["wall_s"] for r in results),
             "failed_jobs": failed, "missing_jobs": missing,

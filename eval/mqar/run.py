@@ -181,15 +181,15 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     (``{"job", "error"}``)."""
     device = resolve_device(cfg.device)
     results, todo = stored(cfg)
-    jobs, out, failed = build_jobs(cfg), Path(cfg.out), []
+    total, out, failed = len(results) + len(todo), Path(cfg.out), []
     if not cfg.train:
-        log(f"mqar: {len(jobs)} jobs, {len(results)} stored under {out}, {len(todo)} missing (train=false: none run)")
+        log(f"mqar: {total} jobs, {len(results)} stored under {out}, {len(todo)} missing (train=false: none run)")
         return results, failed
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
     tasks = groups(todo, streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
     budget = cfg.budget()
-    log(f"mqar: {len(jobs)} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
+    log(f"mqar: {total} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
         f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
     commit = git_commit()
