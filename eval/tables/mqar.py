@@ -204,10 +204,9 @@ def _row(mixer: str, columns: tuple[Column, ...], by_cell: dict[tuple, dict[str,
         cells[col.key] = Cell([100 * a for a in r["test_acc"]], list(r["seeds"])) if r else None
         if r is None:
             absent.append(col)
-    if absent:
-        settings = ",".join(dict.fromkeys(c.key.split("/d")[0] for c in absent))
+    if absent:  # one job scores every setting of its grid, so the hint names the mixer and widths, not settings
         widths = ",".join(sorted({c.key.split("/d")[1] for c in absent}, key=int))
         missing.append(f"{MQAR_ID} / {mixer} / {', '.join(c.header for c in absent)}: no job of {mixer} there in "
-                       f"the MQAR results; run python -m eval.mqar mixers={mixer} settings={settings} "
-                       f"widths={widths} with the grid's other keys")
+                       f"the MQAR results; run python -m eval.mqar mixers={mixer} widths={widths} with the grid's "
+                       "other keys (settings, test_settings, lrs, seeds and budget)")
     return Row(mixer, "ours", cells, mixer)
