@@ -56,7 +56,8 @@ gpu_prepare || exit 1
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', fla.__version__)"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo 'not recorded (no git checkout)')$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"
+  if [ -n "${KDN_GIT_COMMIT:-}" ]; then echo "commit $KDN_GIT_COMMIT"; else
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo 'not recorded (no git checkout)')$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"; fi
 } 2>&1 | grep -v Warn | tee -a "$LOG"
 rc=0
 stage_arg() {  # stage, name: what follows "name=" in the stage, or nothing

@@ -1,16 +1,24 @@
 # Shared by bench/gpu.sh and bench/gpu_pair.sh (sourced, from the repository root).
-# gpu_prepare: install the carried wheels (WHEELS, default .whl/) into /tmp/site and put it on PYTHONPATH;
-#   restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set
+# gpu_prepare: install the carried wheels (WHEELS, default .whl/) into /tmp/site, unpack the carried site
+#   archives (SITES, default .site/*.tar.xz: installed packages too large as wheels, see models/README.md) into
+#   it, and put it on PYTHONPATH; restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set
 #   (a parent script prepared this machine already).
 # pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/triton_cache/.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton}
 
 gpu_prepare() {
-  local wheels=${WHEELS:-.whl} t
-  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  local wheels=${WHEELS:-.whl} sites=${SITES:-.site} t
+  if ls "$wheels"/*.whl "$sites"/*.tar.xz >/dev/null 2>&1; then
     if [ -z "${GPU_PREPARED:-}" ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$wheels"/*.whl || return 1
+      if ls "$wheels"/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          "$wheels"/*.whl || return 1
+      fi
+      for t in "$sites"/*.tar.xz; do
+        [ -e "$t" ] || continue
+        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall("/tmp/site", filter="data")' "$t" \
+          || return 1
+      done
     fi
     export PYTHONPATH=/tmp/site:$PWD
   fi

@@ -60,6 +60,7 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
         "gdn": lambda: fl.GatedDeltaNet(hidden_size=d, num_heads=H, head_dim=K, expand_v=1),
         "gdn2": lambda: fl.GatedDeltaNet2(hidden_size=d, num_heads=H, head_dim=K),
         "mamba3_siso": lambda: Mamba3(hidden_size=d, backend="kernels"),  # ours, on mamba-ssm's SISO kernel
+        "mamba3_mimo": lambda: Mamba3(hidden_size=d, is_mimo=True, mimo_rank=4, backend="kernels"),  # TileLang
         "attn": lambda: CausalSDPA(d, H, K),
     }
     if name not in makers:
@@ -236,7 +237,8 @@ def merge(paths: list[Path], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mixers", nargs="+",
-                    default=["kdn_diag", "kdn_iso", "kda", "deltanet", "gdn", "gdn2", "mamba3_siso", "attn"])
+                    default=["kdn_diag", "kdn_iso", "kda", "deltanet", "gdn", "gdn2", "mamba3_siso", "mamba3_mimo",
+                             "attn"])
     ap.add_argument("--T", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=30)

@@ -27,7 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit(root: Path = ROOT) -> str | None:
-    """The checkout's commit (``+dirty`` when tracked files differ), or ``None`` outside a git checkout."""
+    """The checkout's commit (``+dirty`` when tracked files differ), or ``None`` outside a git checkout.
+
+    ``KDN_GIT_COMMIT``, when set, is returned instead: a working tree copied to another machine without its own
+    ``.git`` (or with a stale one) names the commit it was copied from there."""
+    if os.environ.get("KDN_GIT_COMMIT"):
+        return os.environ["KDN_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True, timeout=10).stdout.strip()

@@ -128,12 +128,13 @@ def _need(kernel_index: int) -> None:
         pytest.skip(f"mamba-ssm Mamba-3 kernel not importable: {UNAVAILABLE}")
 
 
+@pytest.mark.parametrize("hidden,state", [(512, 64), (256, 32)])  # (256, 32): the MQAR benchmark's width 256
 @pytest.mark.parametrize("mimo", [False, True])
-def test_mamba3_kernels_match_reference(mimo: bool) -> None:
+def test_mamba3_kernels_match_reference(mimo: bool, hidden: int, state: int) -> None:
     _need(1 if mimo else 0)
     torch.manual_seed(0)
-    layer = Mamba3(512, state_size=64, head_dim=64, is_mimo=mimo, mimo_rank=4, layer_idx=0).to(CUDA)
-    x = torch.randn(2, 256, 512, device=CUDA)
+    layer = Mamba3(hidden, state_size=state, head_dim=64, is_mimo=mimo, mimo_rank=4, layer_idx=0).to(CUDA)
+    x = torch.randn(2, 256, hidden, device=CUDA)
     mask = torch.ones(2, 256, dtype=torch.long, device=CUDA)
     mask[1, :50] = 0
     outs = {}

@@ -213,6 +213,13 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     assert data["config"]["seeds"] == [0, 1] and data["versions"]["torch"] == torch.__version__
 
 
+def test_a_named_commit_stands_in_for_a_copied_checkouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KDN_GIT_COMMIT", raising=False)
+    own = git_commit()
+    monkeypatch.setenv("KDN_GIT_COMMIT", "0123abc")
+    assert git_commit() == "0123abc" != own
+
+
 def test_attention_loss_decreases(one_thread) -> None:
     """Sixty steps of the training code's optimiser and schedule on a small-vocabulary MQAR lower the loss."""
     setting = MQARSetting(32, 4, vocab_size=48)
