@@ -291,6 +291,34 @@ def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
     assert "0 stored, 2 to run" in lines[-3]
 
 
+def test_a_stored_job_of_another_model_is_not_reused(tmp_path) -> None:
+    """The identity names the model: Mamba-3 at the benchmark's head size (64) is another job than at 16, though
+    both have nearly KDA's parameter count; a job file whose identity has no ``model`` counts only when the
+    parameter count it recorded is this model's."""
+    from eval.mqar.run import build_jobs, load_done
+    from eval.mqar.train import architecture
+
+    cfg, _ = parse_overrides(["mixers=mamba3_siso", "widths=64", "lrs=3e-4", "preset=cpu"])
+    job = build_jobs(cfg)[0]
+    ours, theirs = architecture(job.mixer, 64, 64, 8192), architecture(MixerChoice.parse("mamba3_siso/head_dim=16"),
+                                                                       64, 64, 8192)
+    assert model_config(job.mixer, 64, 64, 8192).mixer_kwargs["head_dim"] == 64 == job.identity()["model"][
+        "mixer_kwargs"]["head_dim"]
+    assert ours["shapes_sha256"] != theirs["shapes_sha256"] and abs(ours["params"] - theirs["params"]) < 1e-4 * ours[
+        "params"]
+    path = tmp_path / "job.json"
+
+    def stored(identity: dict, params: int) -> bool:
+        path.write_text(json.dumps({"identity": identity, "params": params}))
+        return load_done(path, job) is not None
+
+    identity = job.identity()
+    old = {k: v for k, v in identity.items() if k != "model"}
+    assert stored(identity, ours["params"]) and stored(old, ours["params"])
+    assert not stored(old, theirs["params"]) and not stored({**identity, "model": theirs}, ours["params"])
+    assert not stored({**old, "lr": 1e-3}, ours["params"])
+
+
 def test_report_of_a_grid_cut_short(tmp_path, one_thread) -> None:
     """``train=false`` trains nothing and writes the results, table and plot of the jobs stored so far, naming the
     jobs that have none."""

@@ -28,7 +28,7 @@ import torch
 
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import Budget, JobRun, MixerChoice, train_together
+from eval.mqar.train import Budget, JobRun, MixerChoice, architecture, train_together
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -58,9 +58,11 @@ class Job:
         return float(self.width)
 
     def identity(self) -> dict[str, Any]:
-        """What the job's result depends on (a stored result with another identity is rerun)."""
+        """What the job's result depends on (a stored result with another identity is rerun): the grid's keys, the
+        budget, the scored settings and the model (:func:`eval.mqar.train.architecture`)."""
         return {"mixer": self.mixer.label, "width": self.width, "lr": self.lr, "seed": self.seed,
-                "budget": asdict(self.budget), "settings": [asdict(s) for s in self.settings]}
+                "budget": asdict(self.budget), "settings": [asdict(s) for s in self.settings],
+                "model": architecture(self.mixer, self.width, self.budget.head_dim, self.budget.vocab_size)}
 
 
 def build_jobs(cfg: MQARConfig) -> list[Job]:
@@ -72,12 +74,18 @@ def build_jobs(cfg: MQARConfig) -> list[Job]:
 
 
 def load_done(path: Path, job: Job) -> dict[str, Any] | None:
-    """The stored result of ``job``, or ``None`` when missing, unreadable or from another budget."""
+    """The stored result of ``job``, or ``None`` when missing, unreadable or from another budget or model.
+
+    A job file whose identity has no ``model`` key is this job's when the rest of it matches and the parameter count
+    the file records equals this model's."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if record.get("identity") == json.loads(json.dumps(job.identity())) else None
+    want, have = json.loads(json.dumps(job.identity())), record.get("identity")
+    if isinstance(have, dict) and "model" not in have:
+        have = {**have, "model": want["model"]} if record.get("params") == want["model"]["params"] else None
+    return record if have == want else None
 
 
 def flatten(job: dict[str, Any]) -> list[dict[str, Any]]:

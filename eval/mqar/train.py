@@ -13,6 +13,7 @@ job's own stream, and :func:`train_together` interleaves several jobs in one pro
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -72,14 +73,30 @@ def model_config(choice: MixerChoice, width: int, head_dim: int, vocab_size: int
 
     The recurrent state per layer is then ``heads x head_dim^2`` for the matrix-state mixers (plus ``heads x
     head_dim`` or ``heads`` precisions for Diagonal/Isotropic KDN), and Mamba-3's ``d_state`` is solved by the
-    registry so that ``expand x width x d_state`` equals the same ``heads x head_dim^2``."""
+    registry so that ``expand x width x d_state`` equals the same ``heads x head_dim^2``. Mamba-3's heads are
+    ``head_dim`` wide too (``expand x width / head_dim`` of them), not the registry's 16 at its ``toy`` size, which
+    mamba-ssm's MIMO kernels do not compile for (they are tested at 32, 64 and 128)."""
     if width % head_dim:
         raise ValueError(f"width {width} is not a multiple of head_dim {head_dim}; pick widths that are")
     kwargs = dict(choice.kwargs)
     if choice.name == "attn":
         kwargs.setdefault("window", None)
+    if choice.name.startswith("mamba3"):
+        kwargs.setdefault("head_dim", head_dim)
     return models.model_config("toy", choice.name, vocab_size=vocab_size, hidden_size=width, num_layers=2,
                                num_heads=width // head_dim, head_dim=head_dim, mixer_kwargs=kwargs)
+
+
+def architecture(choice: MixerChoice, width: int, head_dim: int, vocab_size: int) -> dict[str, Any]:
+    """What identifies the model of :func:`model_config`: its mixer options as resolved there, its parameter count
+    and a SHA-256 of every parameter's name and shape (the model built on the meta device: nothing is allocated).
+    Every mixer's SwiGLU width is solved to KDA's count, so the count alone barely tells two layouts apart."""
+    cfg = model_config(choice, width, head_dim, vocab_size)
+    with torch.device("meta"):
+        named = list(models.build_model(cfg).named_parameters())
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in named)
+    return {"mixer_kwargs": dict(cfg.mixer_kwargs), "params": sum(p.numel() for _, p in named),
+            "shapes_sha256": hashlib.sha256(shapes.encode()).hexdigest()}
 
 
 def state_elements(cfg: models.KDNConfig, seq_len: int) -> tuple[int, bool]:
