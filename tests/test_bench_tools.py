@@ -180,6 +180,29 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["results"][0]["ffn_widths"] == [90]
 
 
+def test_mamba3_kernel_check_reports_each_case_on_its_own(tmp_path: Path) -> None:
+    """A case that fails (here: no CUDA) is a row with its error; a malformed case is refused in one line."""
+    from bench.mamba3_kernels import main, parse_case
+
+    assert parse_case("mimo:256:32:64:8x64") == {"kind": "mimo", "hidden": 256, "state": 32, "head_dim": 64,
+                                                 "batch": 8, "seq_len": 64}
+    for bad in ("mimo:256:32:64", "mamba:256:32:64:8x64", "siso:a:32:64:8x64"):
+        with pytest.raises(ValueError, match="bad case"):
+            parse_case(bad)
+    if torch_has_cuda():
+        pytest.skip("the error row needs a machine without CUDA")
+    out = tmp_path / "m.json"
+    main(["--cases", "siso:64:32:64:2x64", "--timeout", "120", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["kind"] == "siso" and row["seq_len"] == 64 and "CUDA" in row["error"] and "out_rel_err" not in row
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def test_profile_step_kernel_groups() -> None:
     from trainer.profiling import RECURRENCE, kernel_group
 

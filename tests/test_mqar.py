@@ -504,3 +504,27 @@ def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:
     records, failed = run_grid(cfg, log=lambda _: None)
     assert records == [] and len(failed) == 1 and "window" in failed[0]["error"]
     assert not list(tmp_path.glob("jobs/*.json"))
+
+
+def test_a_group_that_faults_outside_its_jobs_fails_alone(tmp_path, one_thread, monkeypatch) -> None:
+    """An error outside any one job (as a CUDA fault surfacing in a group's clean-up) fails that group's jobs,
+    reported and not stored; the other groups train and the grid returns."""
+    import eval.mqar.run as run
+
+    real = run.train_together
+
+    def faulty(job_runs: list) -> list:
+        if job_runs[0].choice.name == "kda":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(job_runs)
+
+    monkeypatch.setattr(run, "train_together", faulty)
+    cfg, _ = parse_overrides(["mixers=kda,attn", "widths=64", "settings=32x4", "lrs=1e-3,3e-3", "train_examples=32",
+                              "valid_examples=16", "test_examples=16", "batch_tokens=1024", "vocab_size=64",
+                              f"out={tmp_path}", "preset=cpu", "streams=2"])
+    records, failed = run_grid(cfg, log=lambda _: None)
+    assert sorted(f["job"] for f in failed) == ["kda_d64_lr0.001_s0", "kda_d64_lr0.003_s0"]
+    assert all("illegal memory access" in f["error"] for f in failed)
+    assert sorted(r["job"] for r in records) == ["attn_d64_lr0.001_s0", "attn_d64_lr0.003_s0"]
+    assert sorted(p.name for p in tmp_path.glob("jobs/*.json")) == ["attn_d64_lr0.001_s0.json",
+                                                                    "attn_d64_lr0.003_s0.json"]

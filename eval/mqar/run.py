@@ -112,8 +112,18 @@ def partial_path(out: str | Path, job: Job) -> Path:
 def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[dict[str, Any]]:
     """In a pool process: train ``jobs`` together on ``device`` (:func:`train_together`), store each result and
     return them; a job that raises returns ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it
-    again)."""
-    jobs, device, out, threads, commit, graphs = args
+    again). An error outside any one job (a CUDA fault surfacing in the clean-up) fails the group's jobs not
+    stored yet, never the grid."""
+    try:
+        return _train_group(*args)
+    except Exception as err:  # noqa: BLE001 - the other groups go on; this one's jobs are retried on a rerun
+        jobs, out = args[0], args[2]
+        return [{"job": job.name, "error": f"{type(err).__name__}: {err}"} for job in jobs
+                if not (Path(out) / "jobs" / f"{job.name}.json").exists()]
+
+
+def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: str | None,
+                 graphs: bool) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
 
     def progress(job: Job) -> Callable[[dict[str, Any]], None]:
@@ -141,9 +151,6 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
         write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", res)
         partial_path(out, job).unlink(missing_ok=True)
         results.append(res)
-    del runs
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # the next group's graphs would not reuse these pools; other processes can
     return results + failed
 
 
@@ -203,7 +210,9 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     commit = git_commit()
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
     t0 = time.perf_counter()
-    pool = torch.multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    # one process per group: a CUDA fault is sticky in its process, so it fails that group alone, and a finished
+    # group's graph pools and cached blocks go back to the GPU with its process
+    pool = torch.multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) if workers > 1 else None
     # SIGTERM (a scheduler's time limit, `timeout`) would end this process without unwinding, and the workers,
     # orphaned, would train on beside the next run; as an exception it reaches the pool's clean-up below
     main = threading.current_thread() is threading.main_thread()

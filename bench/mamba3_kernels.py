@@ -1,0 +1,123 @@
+"""mamba-ssm's Mamba-3 kernels (Triton SISO, TileLang MIMO) against our PyTorch reference, one shape per process.
+
+``python -m bench.mamba3_kernels [--cases mimo:256:32:64:8x64 siso:256:32:64:4x512 ...] [--timeout 120]``
+prints a table and writes ``bench/results/mamba3_kernels.json``. A case is ``kind:hidden:state:head_dim:BxT``;
+each runs in its own process under ``CUDA_LAUNCH_BLOCKING=1``, so a kernel that faults or fails to compile is
+reported with its error and the cases after it still run. Per case: the relative error
+``||kernel - torch|| / ||torch||`` of the output and of every gradient (input and parameters) of one bf16
+forward and backward of :class:`models.layers.mamba3.Mamba3`, and the seconds it took, compilation included.
+The defaults are the MQAR benchmark's Mamba-3 layers (width 256, ``d_state`` 32, heads of 64) at its shortest
+and longest training sequences, and the shape of ``tests/test_mixers_gpu.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+DEFAULT_CASES = ["mimo:256:32:64:512x64", "siso:256:32:64:512x64", "mimo:256:32:64:64x512", "siso:256:32:64:64x512",
+                 "mimo:512:64:64:2x256", "siso:512:64:64:2x256"]
+
+
+def parse_case(case: str) -> dict:
+    """``kind:hidden:state:head_dim:BxT`` as a dict; raises ValueError naming the expected form."""
+    try:
+        kind, hidden, state, head_dim, bt = case.split(":")
+        batch, seq = bt.split("x")
+        out = {"kind": kind, "hidden": int(hidden), "state": int(state), "head_dim": int(head_dim),
+               "batch": int(batch), "seq_len": int(seq)}
+    except ValueError:
+        raise ValueError(f"bad case {case!r}; expected kind:hidden:state:head_dim:BxT, "
+                         "e.g. mimo:256:32:64:8x64") from None
+    if kind not in ("siso", "mimo"):
+        raise ValueError(f"bad case {case!r}: kind must be siso or mimo")
+    return out
+
+
+def run_case(case: dict) -> dict:
+    """One forward and backward of each backend on the same layer and input; the relative errors."""
+    import torch
+
+    from models.layers.mamba3 import Mamba3
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    layer = Mamba3(case["hidden"], state_size=case["state"], head_dim=case["head_dim"], is_mimo=case["kind"] == "mimo",
+                   mimo_rank=4, layer_idx=0).to(dev)
+    x = torch.randn(case["batch"], case["seq_len"], case["hidden"], device=dev)
+    dy = torch.randn_like(x)
+    outs = {}
+    for backend in ("torch", "kernels"):
+        layer.backend = backend
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi)[0]
+        y.float().backward(dy)
+        torch.cuda.synchronize()
+        grads = {"input": xi.grad.float()} | {n: p.grad.float() for n, p in layer.named_parameters()
+                                              if p.grad is not None}
+        outs[backend] = (y.float(), grads, time.perf_counter() - t0)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    (y_t, g_t, s_t), (y_k, g_k, s_k) = outs["torch"], outs["kernels"]
+    errs = {n: rel(g_k[n], g_t[n]) for n in g_t}
+    return {**case, "out_rel_err": rel(y_k, y_t), "grad_rel_err_max": max(errs.values()),
+            "grad_worst": max(errs, key=errs.get), "grad_rel_err": errs, "torch_s": s_t, "kernels_s": s_k}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case, compilation included")
+    ap.add_argument("--out", type=Path, default=RESULTS / "mamba3_kernels.json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run one case, print its JSON
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_case(parse_case(args.one))), flush=True)
+        return
+    cases = [parse_case(c) for c in args.cases]
+    rows = []
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    for text, case in zip(args.cases, cases):
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "bench.mamba3_kernels", "--one", text], capture_output=True,
+                                  text=True, timeout=args.timeout, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode == 0 and lines:
+                row = json.loads(lines[-1])
+            else:
+                err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                row = {**case, "error": next((ln for ln in reversed(err) if "Error" in ln), err[-1] if err else "?")}
+        except subprocess.TimeoutExpired:
+            row = {**case, "error": f"timed out after {args.timeout:.0f} s"}
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "grad_rel_err"}), flush=True)
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    os.replace(tmp, args.out)
+    print(f"\n{'case':<26}{'out err':>10}{'grad err':>10}  worst grad / error")
+    for r in rows:
+        name = f"{r['kind']}:{r['hidden']}:{r['state']}:{r['head_dim']}:{r['batch']}x{r['seq_len']}"
+        if "error" in r:
+            print(f"{name:<26}{'-':>10}{'-':>10}  {r['error'][:90]}")
+        else:
+            print(f"{name:<26}{r['out_rel_err']:>10.2e}{r['grad_rel_err_max']:>10.2e}  {r['grad_worst']}")
+
+
+if __name__ == "__main__":
+    main()
