@@ -236,6 +236,10 @@ def test_mamba3_bad_arguments() -> None:
         Mamba3(64, rope_fraction=0.25)
     with pytest.raises(ValueError, match="needs CUDA"):
         Mamba3(64, state_size=8, head_dim=16, backend="kernels")(torch.randn(1, 3, 64))
+    cuda = torch.device("cuda")  # the choice of path needs no GPU: no tensor is made
+    with pytest.raises(ValueError, match="head_dim in"):
+        Mamba3(64, state_size=8, head_dim=16, is_mimo=True, backend="kernels")._use_kernels(cuda, False, 64)
+    assert not Mamba3(64, state_size=8, head_dim=16, is_mimo=True)._use_kernels(cuda, False, 64)
 
 
 # --- attention --------------------------------------------------------------------------------------

@@ -38,12 +38,21 @@ from models.layers.common import RMSNorm, check_cu_seqlens, current_mask, last_i
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("torch", "kernels")
+MIMO_KERNEL_HEAD_DIMS = (32, 64, 128)
+"""Head sizes mamba-ssm tests its TileLang MIMO kernels at; at 16 its forward does not compile (a layout
+conflict), so other sizes run the PyTorch reference."""
 State = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @functools.cache
 def _warn_fallback() -> None:
     logger.warning("Mamba-3 kernels unavailable on CUDA (%s); using the PyTorch reference", UNAVAILABLE)
+
+
+@functools.cache
+def _warn_head_dim(head_dim: int) -> None:
+    logger.warning("Mamba-3 MIMO with head_dim %d: mamba-ssm's kernels take %s; using the PyTorch reference", head_dim,
+                   MIMO_KERNEL_HEAD_DIMS)
 
 
 def rotate(x: Tensor, theta: Tensor, pairwise: bool) -> Tensor:
@@ -224,6 +233,12 @@ class Mamba3(nn.Module):
         if self.backend == "torch" or device.type != "cuda":
             if self.backend == "kernels":
                 raise ValueError("backend='kernels' needs CUDA tensors; use backend='torch'")
+            return False
+        if self.is_mimo and self.head_dim not in MIMO_KERNEL_HEAD_DIMS:
+            if self.backend == "kernels":
+                raise ValueError(f"mamba-ssm's MIMO kernels take head_dim in {MIMO_KERNEL_HEAD_DIMS}, got "
+                                 f"{self.head_dim}; use one of those or backend='torch'")
+            _warn_head_dim(self.head_dim)
             return False
         siso, mimo = mamba3_kernels()
         kernel = mimo if self.is_mimo else siso
