@@ -26,6 +26,10 @@
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
 #                  --block-rows 32 64")
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
+#   mqar[=ARGS]    `python -m eval.mqar out=$MQAR_OUT ARGS` (MQAR_OUT default runs/mqar/full): the MQAR grid,
+#                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files
+#                  (e.g. bench/results/mqar_h200_grid/jobs) copied in first where MQAR_OUT has none of that name;
+#                  every job file comes back as $OUT/mqar_jobs.tgz
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
 #   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
 #                  `parity2=fsdp` (or ddp) runs one of them
@@ -101,6 +105,17 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run_stage "bench $mod" python3 -m "bench.$mod" $args --out "$OUT/$mod.json"
       ;;
+    mqar|mqar=*)
+      args=$(stage_arg "$stage" mqar)
+      mq=${MQAR_OUT:-runs/mqar/full}
+      mkdir -p "$mq/jobs"
+      if [ -n "${MQAR_JOBS:-}" ]; then
+        for f in "$MQAR_JOBS"/*.json; do [ -e "$f" ] && [ ! -e "$mq/jobs/${f##*/}" ] && cp "$f" "$mq/jobs/"; done
+      fi
+      # shellcheck disable=SC2086
+      run_stage "mqar $args" python3 -m eval.mqar out="$mq" $args
+      tar czf "$OUT/mqar_jobs.tgz" -C "$mq" jobs
+      ;;
     warm=*)
       # shellcheck disable=SC2086
       run_stage "warm ${stage#warm=}" python3 -m bench.warm_triton --workers "${WARM_WORKERS:-12}" -m ${stage#warm=}
@@ -150,7 +165,7 @@ for stage in "$@"; do
       ;;
     *)
       echo "unknown stage $stage; stages: kernels[=EXPR] warm=MODULE... bench=MODULE... throughput[=ARGS] profile" \
-        "train100m throughput750m[=MIXERS] throughput750m_paper[=MIXERS] parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] env=NAME=VALUE" >&2
+        "train100m throughput750m[=MIXERS] throughput750m_paper[=MIXERS] parity1 parity2[=ddp|fsdp] resume2[=fsdp|ddp] profile_step[=ARGS] mqar[=ARGS] env=NAME=VALUE" >&2
       exit 2
       ;;
   esac

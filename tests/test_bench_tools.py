@@ -224,3 +224,25 @@ def test_warm_triton_passes_the_workload_its_own_options() -> None:
     assert (own, module, rest) == (["--workers", "3"], "pytest", ["-q", "-m", "gpu", "tests/x.py"])
     with pytest.raises(SystemExit, match="-m MODULE"):
         split_workload(["--workers", "3"])
+
+
+def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
+    """`bench/gpu.sh mqar=ARGS` seeds MQAR_OUT with the job files MQAR_JOBS names, resumes the grid there (here:
+    nothing left to train) and returns every job file."""
+    from eval.mqar import parse_overrides, run_grid
+
+    args = ["mixers=attn", "widths=64", "settings=32x4", "test_settings=", "lrs=3e-3", "train_examples=64",
+            "valid_examples=32", "test_examples=32", "batch_tokens=1024", "vocab_size=64", "preset=cpu"]
+    cfg, _ = parse_overrides([*args, f"out={tmp_path / 'done'}"])
+    assert len(run_grid(cfg, log=lambda _: None)[0]) == 1
+    root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
+    env = {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
+           "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "MQAR_OUT": str(tmp_path / "mq"), "MQAR_JOBS": str(tmp_path / "done" / "jobs")}
+    proc = subprocess.run(["bash", "bench/gpu.sh", "mqar=" + " ".join(args)], cwd=root, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (out / "gpu.log").read_text()
+    assert "1 stored, 0 to run" in log and "=== mqar " in log and "exit 0" in log, log
+    listing = subprocess.run(["tar", "tzf", str(out / "mqar_jobs.tgz")], capture_output=True, text=True).stdout
+    assert "jobs/attn_d64_lr0.003_s0.json" in listing
