@@ -1,8 +1,8 @@
 # Shared by bench/gpu.sh and bench/gpu_pair.sh (sourced, from the repository root).
 # gpu_prepare: install the carried wheels (WHEELS, default .whl/) into /tmp/site, unpack the carried site
 #   archives (SITES, default .site/*.tar.xz: installed packages too large as wheels, see models/README.md) into
-#   it, and put it on PYTHONPATH; restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set
-#   (a parent script prepared this machine already).
+#   it, and put it on PYTHONPATH; restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR. With GPU_PREPARED set,
+#   only PYTHONPATH is set (a parent script prepared this machine already).
 # pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/triton_cache/.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton}
 

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.checkpoint import write_json_atomic
+
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_CASES = ["mimo:256:32:64:512x64", "siso:256:32:64:512x64", "mimo:256:32:64:64x512", "siso:256:32:64:64x512",
                  "mimo:512:64:64:2x256", "siso:512:64:64:2x256"]
@@ -106,10 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "grad_rel_err"}), flush=True)
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, {"header": header, "rows": rows})
     print(f"\n{'case':<26}{'out err':>10}{'grad err':>10}  worst grad / error")
     for r in rows:
         name = f"{r['kind']}:{r['hidden']}:{r['state']}:{r['head_dim']}:{r['batch']}x{r['seq_len']}"

@@ -119,7 +119,7 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
     except Exception as err:  # noqa: BLE001 - the other groups go on; this one's jobs are retried on a rerun
         jobs, out = args[0], args[2]
         return [{"job": job.name, "error": f"{type(err).__name__}: {err}"} for job in jobs
-                if not (Path(out) / "jobs" / f"{job.name}.json").exists()]
+                if load_done(Path(out) / "jobs" / f"{job.name}.json", job) is None]
 
 
 def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: str | None,
