@@ -20,12 +20,15 @@ the untruncated chunks that fit and recomputes the rest. A kept chunk whose shar
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import multiprocessing as mp
 import os
 import re
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
@@ -100,6 +103,7 @@ _TOKENIZER: Tokenizer | None = None
 def _init_worker(tokenizer: Tokenizer) -> None:
     global _TOKENIZER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    faulthandler.enable()  # a worker that crashes leaves its traceback on stderr
     _TOKENIZER = tokenizer
 
 
@@ -311,11 +315,13 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
     base = _task_base(cfg, dtype, out_dir)
     if cfg.add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=true but tokenizer {tok.name!r} has no BOS token; use add_bos=false")
+    # fork (Linux) starts workers instantly and never re-imports __main__; the workers touch no CUDA or threads.
+    # An executor, not a Pool: a worker that dies breaks it (BrokenProcessPool) where a Pool waits forever for the
+    # lost chunk
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ProcessPoolExecutor(workers, ctx, _init_worker, (tok,)) if workers > 1 else None
     bar = tqdm(total=budget, initial=meta["counts"]["train_tokens"], unit="tok", unit_scale=True,
                disable=not cfg.progress, dynamic_ncols=True, desc=f"prepare {out_dir.name}")
-    # fork (Linux) starts workers instantly and never re-imports __main__; the workers touch no CUDA or threads
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(workers, _init_worker, (tok,)) if workers > 1 else None
     if pool is None:
         _init_worker(tok)
     pending: deque = deque()
@@ -349,17 +355,19 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
             if pool is None:
                 finished = finish(_tokenize_chunk(task))
                 continue
-            pending.append(pool.apply_async(_tokenize_chunk, (task,)))
-            while len(pending) >= 2 * workers or (pending and pending[0].ready()):
-                finished = finish(pending.popleft().get())
+            pending.append(pool.submit(_tokenize_chunk, task))
+            while len(pending) >= 2 * workers or (pending and pending[0].done()):
+                finished = finish(pending.popleft().result())
                 if finished:
                     break
         while pending and not finished:
-            finished = finish(pending.popleft().get())
+            finished = finish(pending.popleft().result())
+    except BrokenProcessPool:
+        raise RuntimeError(f"a tokeniser process of prepare {out_dir} died (its traceback, if any, is above); "
+                           "rerun the same command to continue from the last finished chunk") from None
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         _clean_stray(out_dir, chunks)
 

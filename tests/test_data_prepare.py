@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_data_fixtures import make_docs, prepared, split_tokens, write_jsonl, write_parquet
 
+import data.pipeline as pipeline
 from data import PrepareConfig, load_tokenizer, prepare, read_meta
 from data.pipeline import config_from_overrides, main
 from data.shards import sha256_file, split_shards
@@ -77,6 +81,39 @@ def test_workers_give_identical_shards(tmp_path):
     two, _ = prepared(tmp_path / "b", num_workers=2)
     assert read_meta(one)["chunks"] == read_meta(two)["chunks"]
     assert {k: v[1] for k, v in _shard_state(one).items()} == {k: v[1] for k, v in _shard_state(two).items()}
+
+
+_TOKENIZE_CHUNK = pipeline._tokenize_chunk
+
+
+def _dies_on_the_third_chunk(task: dict) -> dict:
+    if task["index"] == 2:
+        os._exit(3)
+    return _TOKENIZE_CHUNK(task)
+
+
+def test_a_dying_tokeniser_process_stops_prepare_with_an_error(tmp_path, monkeypatch):
+    """A worker that dies mid-chunk ends prepare with one line naming the rerun, not a wait for the lost chunk; the
+    rerun continues from the chunks already finished."""
+    monkeypatch.setattr(pipeline, "_tokenize_chunk", _dies_on_the_third_chunk)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            prepared(tmp_path / "a", num_workers=2)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            raised.append(err)
+
+    worker = threading.Thread(target=run, daemon=True)  # a prepare waiting for the lost chunk fails, not hangs
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "prepare still waits for the chunk its dead worker held"
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError), raised
+    assert re.search("tokeniser process .* died.*rerun the same command", str(raised[0])), raised
+    monkeypatch.setattr(pipeline, "_tokenize_chunk", _TOKENIZE_CHUNK)
+    again, _ = prepared(tmp_path / "a", num_workers=2)
+    whole, _ = prepared(tmp_path / "b", num_workers=1)
+    assert read_meta(again)["chunks"] == read_meta(whole)["chunks"]
 
 
 def test_budget_is_exact_and_extends(tmp_path):
