@@ -32,7 +32,7 @@ from eval.mqar import (
     write_report,
 )
 from eval.mqar.data import block_seed
-from eval.mqar.run import git_commit, groups, header
+from eval.mqar.run import git_commit, groups, header, runs_of
 from eval.mqar.step import TrainStep
 from eval.mqar.train import JobRun, train_together
 from models import build_model
@@ -281,14 +281,18 @@ def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
     assert [c["epoch"] for c in by["attn"]["curve"]] == [1] and set(by["attn"]["curve"][0]["valid"]) == {
         "32x4", "48x4"}
     assert len(list((tmp_path / "jobs").glob("*.json"))) == 2
+    (run,) = runs_of(tmp_path)
+    assert run["to_run"] == run["trained"] == 2 and run["failed"] == 0 and run["stopped"] is None
+    assert 0 < run["wall_s"] and run["git_commit"] == git_commit()
     again, _ = run_grid(cfg, log=lines.append)
     assert "2 stored, 0 to run" in lines[-1] and sorted(str(r["records"]) for r in again) == sorted(
         str(r["records"]) for r in records)
+    assert len(runs_of(tmp_path)) == 1  # a run with nothing to train is not one of the grid's runs
     cfg2, _ = parse_overrides([*argv, "train_examples=96"])  # another budget: rerun, not reuse
     report_only, _ = parse_overrides([*argv, "train_examples=96", "train=false"])
     assert run_grid(report_only, log=lines.append) == ([], []) and "0 stored" in lines[-1]
     run_grid(cfg2, log=lines.append)
-    assert "0 stored, 2 to run" in lines[-3]
+    assert "0 stored, 2 to run" in lines[-3] and [r["trained"] for r in runs_of(tmp_path)] == [2, 2]
 
 
 def test_a_stored_job_of_another_model_is_not_reused(tmp_path) -> None:
@@ -332,6 +336,7 @@ def test_report_of_a_grid_cut_short(tmp_path, one_thread) -> None:
     assert data["missing_jobs"] == ["kdn_iso_d64_lr0.003_s0"] and data["config"]["train"] is False
     assert {r["mixer"] for r in data["rows"]} == {"attn"} and (tmp_path / "mqar.md").exists()
     assert not list(tmp_path.glob("jobs/kdn_iso*")) and data["jobs"][0]["device"]
+    assert len(data["runs"]) == 1 and data["runs_wall_s"] == data["runs"][0]["wall_s"] > 0  # the training run only
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
-from eval.mqar.run import build_jobs, flatten, header, run_grid, summarize
+from eval.mqar.run import build_jobs, flatten, header, run_grid, runs_of, summarize
 from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -38,7 +38,9 @@ def main(argv: list[str]) -> None:
     done = {res["job"] for res in results}
     missing = [job.name for job in build_jobs(cfg) if job.name not in done]
     records = [r for res in results for r in flatten(res)]
+    runs = runs_of(cfg.out)
     data = {**header(cfg, time.perf_counter() - t0, commit), "jobs_wall_s": sum(r["wall_s"] for r in results),
+            "runs": runs, "runs_wall_s": sum(r["wall_s"] for r in runs),
             "failed_jobs": failed, "missing_jobs": missing,
             "rows": summarize(records, cfg),
             "jobs": sorted(records, key=lambda r: (r["setting"], r["mixer"], r["width"], r["lr"], r["seed"])),
@@ -47,7 +49,8 @@ def main(argv: list[str]) -> None:
     write_json_atomic(Path(cfg.results), data)
     md, png = write_report(data, cfg.results)
     print(table(data))
-    print(f"mqar: {len(results)} models in {data['wall_s']:.0f}s (their own times: {data['jobs_wall_s']:.0f}s)")
+    print(f"mqar: {len(results)} models in {data['wall_s']:.0f}s (their own times: {data['jobs_wall_s']:.0f}s; "
+          f"the {len(runs)} training run(s) of {cfg.out}: {data['runs_wall_s']:.0f}s)")
     print(f"mqar: wrote {cfg.results}, {md} and {png}")
     if missing and not cfg.train:
         print(f"mqar: {len(missing)} of {len(missing) + len(results)} jobs have no result yet (missing_jobs); the "

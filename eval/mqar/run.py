@@ -33,6 +33,7 @@ from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
 SCHEMA = 2
+RUNS_FILE = "runs.jsonl"
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,8 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
     commit = git_commit()
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
-    t0 = time.perf_counter()
+    t0, stored_before, stopped = time.perf_counter(), len(results), None
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     # one process per group: a CUDA fault is sticky in its process, so it fails that group alone, and a finished
     # group's graph pools and cached blocks go back to the GPU with its process
     pool = torch.multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) if workers > 1 else None
@@ -234,7 +236,8 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
                     f"loss {res['final_loss']:.3f}{' (diverged)' if res['diverged'] else ''} "
                     f"({res['wall_s']:.0f}s, {res['tokens'] / max(res['train_s'], 1e-9) / 1e6:.2f}M tok/s"
                     f"{'' if res['graph_fallback'] is None else '; eager: ' + res['graph_fallback']})")
-    except BaseException:
+    except BaseException as err:
+        stopped = f"{type(err).__name__}: {err}"
         if pool is not None:
             pool.terminate()  # stop the workers now: their finished epochs are checkpointed already
         raise
@@ -244,7 +247,34 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
             pool.join()
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
+        if todo:
+            record_run(out, {"date": started, "wall_s": time.perf_counter() - t0, "device": device_name(device),
+                             "git_commit": commit, "to_run": len(todo), "trained": len(results) - stored_before,
+                             "failed": len(failed), "stopped": stopped})
     return results, failed
+
+
+def record_run(out: Path, run: dict[str, Any]) -> None:
+    """Append ``run`` (one training command on ``out``) to ``out/runs.jsonl``, so that a grid filled by several
+    runs (a time limit and reruns, or a split by width) states the time all of them took (:func:`runs_of`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RUNS_FILE, "a") as f:
+        f.write(json.dumps(run) + "\n")
+
+
+def runs_of(out: str | Path) -> list[dict[str, Any]]:
+    """The training runs recorded under ``out`` (:func:`record_run`), oldest first; unreadable lines are skipped."""
+    try:
+        lines = (Path(out) / RUNS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    runs = []
+    for line in lines:
+        try:
+            runs.append(json.loads(line))
+        except ValueError:
+            continue
+    return runs
 
 
 def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, Any]]:
