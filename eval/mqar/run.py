@@ -137,17 +137,18 @@ def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: s
     runs, failed = [], []
     for job in jobs:
         try:
-            runs.append((job, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget, list(job.settings),
-                                     torch.device(device), progress(job), graphs, partial_path(out, job),
-                                     job.identity())))
+            identity = job.identity()  # builds the model on the meta device: once per job
+            runs.append((job, identity, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget,
+                                               list(job.settings), torch.device(device), progress(job), graphs,
+                                               partial_path(out, job), identity)))
         except Exception as err:  # noqa: BLE001 - one broken mixer must not take the other jobs down with it
             failed.append({"job": job.name, "error": f"{type(err).__name__}: {err}"})
     results = []
-    for job, res in zip([job for job, _ in runs], train_together([run for _, run in runs])):
+    for (job, identity, _), res in zip(runs, train_together([run for _, _, run in runs])):
         if isinstance(res, BaseException):
             failed.append({"job": job.name, "error": f"{type(res).__name__}: {res}"})
             continue
-        res["job"], res["identity"], res["git_commit"] = job.name, job.identity(), commit
+        res["job"], res["identity"], res["git_commit"] = job.name, identity, commit
         res["device"] = device_name(torch.device(device))
         write_json_atomic(Path(out) / "jobs" / f"{job.name}.json", res)
         partial_path(out, job).unlink(missing_ok=True)
