@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from eval.results import git_commit
 from trainer.checkpoint import write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"
@@ -77,6 +78,21 @@ def run_case(case: dict) -> dict:
             "grad_worst": max(errs, key=errs.get), "grad_rel_err": errs, "torch_s": s_t, "kernels_s": s_k}
 
 
+def versions() -> dict:
+    """The GPU and the versions behind the kernels (``None`` for a package that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def get(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "versions": {"torch": torch.__version__, **{n: get(n) for n in ("triton", "mamba_ssm", "tilelang")}}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
@@ -107,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "grad_rel_err"}), flush=True)
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)])}
+              "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)]),
+              "git_commit": git_commit(), **versions()}
     write_json_atomic(args.out, {"header": header, "rows": rows})
     print(f"\n{'case':<26}{'out err':>10}{'grad err':>10}  worst grad / error")
     for r in rows:

@@ -7,7 +7,12 @@ prints a table and writes ``bench/results/mqar_step.json``. Each row trains the 
 
 - ``eager``: the step as the CPU runs it (the KDA-family kernels read their safe-gate check on the host);
 - ``eager_exact``: eager under ``kdn.ops.triton.exact_only``, the kernels a graph records;
-- ``graph``: warm-up, capture, then replays.
+- ``graph``: warm-up, capture, then replays;
+- ``profile``: ``eager_exact`` under the PyTorch profiler, summed per kernel (``trainer.profiling.summarize``):
+  the device time a step's kernels take one after another (``device_busy_ms``), their count, their groups and the
+  top kernels. Set beside ``graph``'s milliseconds it says how much of a replayed step is kernel time, the floor
+  that models replayed side by side share. ``profile_eager``: the same for ``eager`` (the KDA-family kernels
+  take fla's tensor-core diagonal blocks where the safe-gate check allows): what the exact token loop costs.
 
 Per way: the median milliseconds per step (host clock around a synchronised step, after warm-up), tokens per
 second, whether every loss was finite, the last loss, and the device memory the step added (peak allocated).
@@ -51,6 +56,8 @@ def measure(mixer: str, width: int, setting: MQARSetting, way: str, steps: int, 
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
+    if way in ("profile", "profile_eager"):
+        return profile_steps(mixer, width, setting, step, batches, warm, exact=way == "profile")
     with exact_only() if way == "eager_exact" else contextlib.nullcontext():
         for k, b in enumerate(batches):
             t0 = time.perf_counter()
@@ -65,6 +72,33 @@ def measure(mixer: str, width: int, setting: MQARSetting, way: str, steps: int, 
             "tokens_per_s": batch * setting.seq_len / ms * 1e3, "finite": bool(torch.isfinite(losses).all()),
             "last_loss": float(losses[-1]), "added_mem_gb": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "captured": bool(step.captured), "fallback": step.fallback}
+
+
+def profile_steps(mixer: str, width: int, setting: MQARSetting, step: TrainStep, batches: list, warm: int,
+                  exact: bool) -> dict:
+    """Kernel time of the eager steps after ``warm``; ``exact``: under ``exact_only``, the kernels a graph records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kdn.ops.triton import exact_only
+    from trainer.profiling import summarize
+
+    with exact_only() if exact else contextlib.nullcontext():
+        for b in batches[:warm]:
+            step(*b)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            losses = [step(*b)[0] for b in batches[warm:]]
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - t0)
+    n = len(batches) - warm
+    summary = summarize(prof, wall_ms, n, rows=12)
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA) / n
+    losses = torch.stack(losses).float()
+    return {"mixer": mixer, "width": width, "setting": setting.name, "way": "profile" if exact else "profile_eager",
+            "ms": summary["device_busy_ms"], "tokens_per_s": batches[0][0].numel() / summary["device_busy_ms"] * 1e3,
+            "finite": bool(torch.isfinite(losses).all()), "last_loss": float(losses[-1]), "added_mem_gb": 0.0,
+            "captured": False, "fallback": None, "kernels_per_step": kernels, **summary}
 
 
 def write(path: Path, args: argparse.Namespace, rows: list[dict]) -> None:
@@ -83,7 +117,8 @@ def main() -> None:
     ap.add_argument("--mixers", nargs="+", default=["kda", "kdn_diag", "kdn_iso", "deltanet", "mamba3_siso", "attn"])
     ap.add_argument("--widths", nargs="+", type=int, default=[256])
     ap.add_argument("--settings", nargs="+", default=["64x4", "512x64"])
-    ap.add_argument("--ways", nargs="+", default=["eager", "eager_exact", "graph"])
+    ap.add_argument("--ways", nargs="+", default=["eager", "eager_exact", "graph"],
+                    help="eager, eager_exact, graph, profile, profile_eager (kernel time per step, top kernels)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-tokens", type=int, default=32_768)
     ap.add_argument("--out", type=Path, default=RESULTS / "mqar_step.json")
@@ -101,6 +136,11 @@ def main() -> None:
                               f"{r['tokens_per_s'] / 1e6:>9.2f}{str(r['finite']):>8}{r['last_loss']:>8.3f}"
                               f"{r['added_mem_gb']:>7.2f}{'' if r['fallback'] is None else '  ' + r['fallback']}",
                               flush=True)
+                        if way.startswith("profile"):
+                            groups = ", ".join(f"{g} {ms:.2f}" for g, ms in r["groups_ms"].items())
+                            top = "; ".join(f"{k['name'][:60]} {k['ms']:.3f}" for k in r["top"][:6])
+                            print(f"    {r['kernels_per_step']:.0f} kernels a step; ms: {groups}\n    top: {top}",
+                                  flush=True)
                     except Exception as err:  # noqa: BLE001 - a row that fails is reported, the sweep goes on
                         r = {"mixer": mixer, "width": width, "setting": name, "way": way,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
