@@ -5,6 +5,9 @@
 #   only PYTHONPATH is set (a parent script prepared this machine already).
 # pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/triton_cache/.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton}
+# every autotuner keeps its choice in that cache, also those that do not ask to (mamba-ssm's: its SISO kernels
+# otherwise retune in every process)
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 
 gpu_prepare() {
   local wheels=${WHEELS:-.whl} sites=${SITES:-.site} t

@@ -1,13 +1,14 @@
 """mamba-ssm's Mamba-3 kernels (Triton SISO, TileLang MIMO) against our PyTorch reference, one shape per process.
 
-``python -m bench.mamba3_kernels [--cases mimo:256:32:64:8x64 siso:256:32:64:4x512 ...] [--timeout 120]``
-prints a table and writes ``bench/results/mamba3_kernels.json``. A case is ``kind:hidden:state:head_dim:BxT``;
-each runs in its own process under ``CUDA_LAUNCH_BLOCKING=1``, so a kernel that faults or fails to compile is
-reported with its error and the cases after it still run. Per case: the relative error
-``||kernel - torch|| / ||torch||`` of the output and of every gradient (input and parameters) of one bf16
-forward and backward of :class:`models.layers.mamba3.Mamba3`, and the seconds it took, compilation included.
-The defaults are the MQAR benchmark's Mamba-3 layers (width 256, ``d_state`` 32, heads of 64) at its shortest
-and longest training sequences, and the shape of ``tests/test_mixers_gpu.py``.
+``python -m bench.mamba3_kernels [--cases mimo:256:32:64:8x64 siso:256:32:64:4x512 ...] [--timeout 120] [--jobs 4]``
+prints a table and writes ``bench/results/mamba3_kernels.json`` after every case. A case is
+``kind:hidden:state:head_dim:BxT``; each runs in its own process (``--jobs`` at once) under
+``CUDA_LAUNCH_BLOCKING=1``, so a kernel that faults or fails to compile is reported with its error and the
+innermost frame of its traceback (``where``: the launch that faulted), and the other cases still run. Per
+case: the relative error ``||kernel - torch|| / ||torch||`` of the output and of every gradient (input and
+parameters) of one bf16 forward and backward of :class:`models.layers.mamba3.Mamba3`, and the seconds it took,
+compilation included. The defaults are the MQAR benchmark's Mamba-3 layers (width 256, ``d_state`` 32, heads
+of 64) at its shortest and longest training sequences, and the shape of ``tests/test_mixers_gpu.py``.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eval.results import git_commit
@@ -93,10 +95,43 @@ def versions() -> dict:
             "versions": {"torch": torch.__version__, **{n: get(n) for n in ("triton", "mamba_ssm", "tilelang")}}}
 
 
+def where(stderr: str) -> str | None:
+    """The innermost ``File ..., line ...`` frame of a traceback in ``stderr`` (under ``CUDA_LAUNCH_BLOCKING`` the
+    launch that faulted), shortened to the path inside its package."""
+    frames = [ln.strip() for ln in stderr.splitlines() if ln.strip().startswith('File "')]
+    if not frames:
+        return None
+    path, _, rest = frames[-1][len('File "'):].partition('"')
+    for root in ("site-packages/", "/tmp/site/"):
+        path = path.split(root)[-1]
+    return f"{path}{rest}"
+
+
+def check(text: str, case: dict, timeout: float) -> dict:
+    """One case in a child process under ``CUDA_LAUNCH_BLOCKING=1``: its row, or its error and where it arose."""
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.mamba3_kernels", "--one", text], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode == 0 and lines:
+            row = json.loads(lines[-1])
+        else:
+            err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            row = {**case, "error": next((ln for ln in reversed(err) if "Error" in ln), err[-1] if err else "?"),
+                   "where": where(proc.stderr)}
+    except subprocess.TimeoutExpired:
+        row = {**case, "error": f"timed out after {timeout:.0f} s"}
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case, compilation included")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each in its own process")
     ap.add_argument("--out", type=Path, default=RESULTS / "mamba3_kernels.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run one case, print its JSON
     args = ap.parse_args(argv)
@@ -104,33 +139,21 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(parse_case(args.one))), flush=True)
         return
     cases = [parse_case(c) for c in args.cases]
-    rows = []
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
-    for text, case in zip(args.cases, cases):
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "bench.mamba3_kernels", "--one", text], capture_output=True,
-                                  text=True, timeout=args.timeout, env=env)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode == 0 and lines:
-                row = json.loads(lines[-1])
-            else:
-                err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-                row = {**case, "error": next((ln for ln in reversed(err) if "Error" in ln), err[-1] if err else "?")}
-        except subprocess.TimeoutExpired:
-            row = {**case, "error": f"timed out after {args.timeout:.0f} s"}
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "grad_rel_err"}), flush=True)
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)]),
               "git_commit": git_commit(), **versions()}
-    write_json_atomic(args.out, {"header": header, "rows": rows})
+    rows: list[dict] = []
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for row in pool.map(lambda tc: check(*tc, args.timeout), zip(args.cases, cases)):
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "grad_rel_err"}), flush=True)
+            write_json_atomic(args.out, {"header": header, "rows": rows})  # a run cut short keeps its cases
     print(f"\n{'case':<26}{'out err':>10}{'grad err':>10}  worst grad / error")
     for r in rows:
         name = f"{r['kind']}:{r['hidden']}:{r['state']}:{r['head_dim']}:{r['batch']}x{r['seq_len']}"
         if "error" in r:
-            print(f"{name:<26}{'-':>10}{'-':>10}  {r['error'][:90]}")
+            at = f" at {r['where']}" if r.get("where") else ""
+            print(f"{name:<26}{'-':>10}{'-':>10}  {r['error'][:90]}{at}")
         else:
             print(f"{name:<26}{r['out_rel_err']:>10.2e}{r['grad_rel_err_max']:>10.2e}  {r['grad_worst']}")
 

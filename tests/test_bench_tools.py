@@ -182,7 +182,11 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
 
 def test_mamba3_kernel_check_reports_each_case_on_its_own(tmp_path: Path) -> None:
     """A case that fails (here: no CUDA) is a row with its error; a malformed case is refused in one line."""
-    from bench.mamba3_kernels import main, parse_case
+    from bench.mamba3_kernels import main, parse_case, where
+
+    trace = ('Traceback (most recent call last):\n  File "/x/bench/a.py", line 3, in f\n    g()\n'
+             '  File "/usr/lib/python3/site-packages/mamba_ssm/ops/k.py", line 9, in g\nRuntimeError: boom')
+    assert where(trace) == "mamba_ssm/ops/k.py, line 9, in g" and where("no frames") is None
 
     assert parse_case("mimo:256:32:64:8x64") == {"kind": "mimo", "hidden": 256, "state": 32, "head_dim": 64,
                                                  "batch": 8, "seq_len": 64}
@@ -195,6 +199,7 @@ def test_mamba3_kernel_check_reports_each_case_on_its_own(tmp_path: Path) -> Non
     main(["--cases", "siso:64:32:64:2x64", "--timeout", "120", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["kind"] == "siso" and row["seq_len"] == 64 and "CUDA" in row["error"] and "out_rel_err" not in row
+    assert row["where"].startswith("torch/cuda/")  # the frame that raised, inside its package
 
 
 def torch_has_cuda() -> bool:
