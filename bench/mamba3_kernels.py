@@ -96,15 +96,18 @@ def versions() -> dict:
 
 
 def where(stderr: str) -> str | None:
-    """The innermost ``File ..., line ...`` frame of a traceback in ``stderr`` (under ``CUDA_LAUNCH_BLOCKING`` the
-    launch that faulted), shortened to the path inside its package."""
-    frames = [ln.strip() for ln in stderr.splitlines() if ln.strip().startswith('File "')]
-    if not frames:
-        return None
-    path, _, rest = frames[-1][len('File "'):].partition('"')
-    for root in ("site-packages/", "/tmp/site/"):
-        path = path.split(root)[-1]
-    return f"{path}{rest}"
+    """The innermost frame of a traceback in ``stderr`` outside Triton's and torch's own code (under
+    ``CUDA_LAUNCH_BLOCKING``: the launch that faulted), as ``path, line N, in fn`` with the path shortened to its
+    package; the innermost frame when every frame is theirs."""
+    frames = []
+    for line in stderr.splitlines():
+        if line.strip().startswith('File "'):
+            path, _, rest = line.strip()[len('File "'):].partition('"')
+            for root in ("site-packages/", "/tmp/site/"):
+                path = path.split(root)[-1]
+            frames.append(f"{path}{rest}")
+    ours = [f for f in frames if not f.startswith(("triton/", "torch/"))]
+    return (ours or frames or [None])[-1]
 
 
 def check(text: str, case: dict, timeout: float) -> dict:
