@@ -43,7 +43,8 @@
 # without fla (`pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`); the Triton
 # autotune results in bench/triton_cache/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
 # autotuning (several minutes per fla op otherwise) on the stack they were made on. The run's autotune results
-# come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/ (not when NO_AUTOTUNE_TGZ is set).
+# come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/, and TileLang's compiled kernels (when any) as
+# $OUT/tilelang_cache.tgz, for bench/tilelang_cache/ (neither when NO_AUTOTUNE_TGZ is set).
 # bench/gpu_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
 # first (GPU_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
@@ -170,5 +171,5 @@ for stage in "$@"; do
       ;;
   esac
 done
-[ -n "${NO_AUTOTUNE_TGZ:-}" ] || pack_autotune "$OUT/autotune.tgz"
+[ -n "${NO_AUTOTUNE_TGZ:-}" ] || { pack_autotune "$OUT/autotune.tgz"; pack_tilelang "$OUT/tilelang_cache.tgz"; }
 exit $rc

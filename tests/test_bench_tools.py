@@ -244,7 +244,8 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
     root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
     env = {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
            "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "MQAR_OUT": str(tmp_path / "mq"), "MQAR_JOBS": str(tmp_path / "done" / "jobs")}
+           "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "MQAR_OUT": str(tmp_path / "mq"),
+           "MQAR_JOBS": str(tmp_path / "done" / "jobs")}
     proc = subprocess.run(["bash", "bench/gpu.sh", "mqar=" + " ".join(args)], cwd=root, capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -252,3 +253,18 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
     assert "1 stored, 0 to run" in log and "=== mqar " in log and "exit 0" in log, log
     listing = subprocess.run(["tar", "tzf", str(out / "mqar_jobs.tgz")], capture_output=True, text=True).stdout
     assert "jobs/attn_d64_lr0.003_s0.json" in listing
+
+
+def test_tilelang_kernels_are_packed_without_their_scratch(tmp_path: Path) -> None:
+    """``pack_tilelang`` writes nothing for an empty cache, and otherwise every compiled kernel but the scratch."""
+    root, cache = Path(__file__).resolve().parents[1], tmp_path / "tl"
+    (cache / "tmp").mkdir(parents=True)
+    script = f'. bench/gpu_env.sh && pack_tilelang {tmp_path}/empty.tgz && mkdir -p {cache}/k1 && ' \
+             f'echo so > {cache}/k1/kernel.so && echo x > {cache}/tmp/scratch && pack_tilelang {tmp_path}/full.tgz'
+    proc = subprocess.run(["bash", "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TILELANG_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "empty.tgz").exists()
+    listing = subprocess.run(["tar", "tzf", str(tmp_path / "full.tgz")], capture_output=True, text=True).stdout
+    assert "./k1/kernel.so" in listing and "scratch" not in listing
+

@@ -240,6 +240,9 @@ def test_mamba3_bad_arguments() -> None:
     with pytest.raises(ValueError, match="head_dim in"):
         Mamba3(64, state_size=8, head_dim=16, is_mimo=True, backend="kernels")._use_kernels(cuda, False, 64)
     assert not Mamba3(64, state_size=8, head_dim=16, is_mimo=True)._use_kernels(cuda, False, 64)
+    with pytest.raises(ValueError, match="head_dim <= state_size"):
+        Mamba3(128, state_size=32, head_dim=64, backend="kernels")._use_kernels(cuda, False, 64)
+    assert not Mamba3(128, state_size=32, head_dim=64)._use_kernels(cuda, False, 64)
 
 
 # --- attention --------------------------------------------------------------------------------------

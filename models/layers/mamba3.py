@@ -41,6 +41,10 @@ BACKENDS = ("torch", "kernels")
 MIMO_KERNEL_HEAD_DIMS = (32, 64, 128)
 """Head sizes mamba-ssm tests its TileLang MIMO kernels at; at 16 its forward does not compile (a layout
 conflict), so other sizes run the PyTorch reference."""
+SISO_KERNEL_RULE = "head_dim <= state_size"
+"""Where mamba-ssm's Triton SISO kernels are used: on an H200 their backward (``mamba3_siso_bwd_kernel_dqkv``)
+made an illegal memory access at ``head_dim`` 64 with ``state_size`` 32, and matched the reference at 16 with 32
+and at 64 with 64 (docs/results.md, "Mamba-3 kernels at the MQAR shapes"); wider heads run the PyTorch reference."""
 State = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
@@ -53,6 +57,12 @@ def _warn_fallback() -> None:
 def _warn_head_dim(head_dim: int) -> None:
     logger.warning("Mamba-3 MIMO with head_dim %d: mamba-ssm's kernels take %s; using the PyTorch reference", head_dim,
                    MIMO_KERNEL_HEAD_DIMS)
+
+
+@functools.cache
+def _warn_siso_shape(head_dim: int, state_size: int) -> None:
+    logger.warning("Mamba-3 SISO with head_dim %d > state_size %d: mamba-ssm's kernels take %s; using the PyTorch "
+                   "reference", head_dim, state_size, SISO_KERNEL_RULE)
 
 
 def rotate(x: Tensor, theta: Tensor, pairwise: bool) -> Tensor:
@@ -239,6 +249,12 @@ class Mamba3(nn.Module):
                 raise ValueError(f"mamba-ssm's MIMO kernels take head_dim in {MIMO_KERNEL_HEAD_DIMS}, got "
                                  f"{self.head_dim}; use one of those or backend='torch'")
             _warn_head_dim(self.head_dim)
+            return False
+        if not self.is_mimo and self.head_dim > self.state_size:
+            if self.backend == "kernels":
+                raise ValueError(f"mamba-ssm's SISO kernels take {SISO_KERNEL_RULE}, got head_dim {self.head_dim} and "
+                                 f"state_size {self.state_size}; use such a shape or backend='torch'")
+            _warn_siso_shape(self.head_dim, self.state_size)
             return False
         siso, mimo = mamba3_kernels()
         kernel = mimo if self.is_mimo else siso
