@@ -57,7 +57,7 @@ def measure(mixer: str, width: int, setting: MQARSetting, way: str, steps: int, 
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     if way in ("profile", "profile_eager"):
-        return profile_steps(mixer, width, setting, step, batches, warm, exact=way == "profile")
+        return profile_steps(mixer, width, setting, step, batches, warm, way == "profile", base)
     with exact_only() if way == "eager_exact" else contextlib.nullcontext():
         for k, b in enumerate(batches):
             t0 = time.perf_counter()
@@ -75,8 +75,9 @@ def measure(mixer: str, width: int, setting: MQARSetting, way: str, steps: int, 
 
 
 def profile_steps(mixer: str, width: int, setting: MQARSetting, step: TrainStep, batches: list, warm: int,
-                  exact: bool) -> dict:
-    """Kernel time of the eager steps after ``warm``; ``exact``: under ``exact_only``, the kernels a graph records."""
+                  exact: bool, base: int) -> dict:
+    """Kernel time of the eager steps after ``warm``; ``exact``: under ``exact_only``, the kernels a graph records;
+    ``base``: the bytes allocated before the first step (for the memory a step adds)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kdn.ops.triton import exact_only
@@ -97,7 +98,8 @@ def profile_steps(mixer: str, width: int, setting: MQARSetting, step: TrainStep,
     losses = torch.stack(losses).float()
     return {"mixer": mixer, "width": width, "setting": setting.name, "way": "profile" if exact else "profile_eager",
             "ms": summary["device_busy_ms"], "tokens_per_s": batches[0][0].numel() / summary["device_busy_ms"] * 1e3,
-            "finite": bool(torch.isfinite(losses).all()), "last_loss": float(losses[-1]), "added_mem_gb": 0.0,
+            "finite": bool(torch.isfinite(losses).all()), "last_loss": float(losses[-1]),
+            "added_mem_gb": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "captured": False, "fallback": None, "kernels_per_step": kernels, **summary}
 
 

@@ -267,4 +267,3 @@ def test_tilelang_kernels_are_packed_without_their_scratch(tmp_path: Path) -> No
     assert not (tmp_path / "empty.tgz").exists()
     listing = subprocess.run(["tar", "tzf", str(tmp_path / "full.tgz")], capture_output=True, text=True).stdout
     assert "./k1/kernel.so" in listing and "scratch" not in listing
-
