@@ -22,7 +22,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eval.results import git_commit
+import torch
+
+from eval.results import device_name, git_commit, versions
 from trainer.checkpoint import write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,8 +49,6 @@ def parse_case(case: str) -> dict:
 
 def run_case(case: dict) -> dict:
     """One forward and backward of each backend on the same layer and input; the relative errors."""
-    import torch
-
     from models.layers.mamba3 import Mamba3
 
     torch.manual_seed(0)
@@ -78,21 +78,6 @@ def run_case(case: dict) -> dict:
     errs = {n: rel(g_k[n], g_t[n]) for n in g_t}
     return {**case, "out_rel_err": rel(y_k, y_t), "grad_rel_err_max": max(errs.values()),
             "grad_worst": max(errs, key=errs.get), "grad_rel_err": errs, "torch_s": s_t, "kernels_s": s_k}
-
-
-def versions() -> dict:
-    """The GPU and the versions behind the kernels (``None`` for a package that is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    def get(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "versions": {"torch": torch.__version__, **{n: get(n) for n in ("triton", "mamba_ssm", "tilelang")}}}
 
 
 def where(stderr: str) -> str | None:
@@ -144,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     cases = [parse_case(c) for c in args.cases]
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.mamba3_kernels", *(sys.argv[1:] if argv is None else argv)]),
-              "git_commit": git_commit(), **versions()}
+              "git_commit": git_commit(), "device": device_name("cuda") if torch.cuda.is_available() else None,
+              "versions": versions(("mamba_ssm", "tilelang"))}
     rows: list[dict] = []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for row in pool.map(lambda tc: check(*tc, args.timeout), zip(args.cases, cases)):

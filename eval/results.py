@@ -43,11 +43,13 @@ def git_commit(root: Path = ROOT) -> str | None:
     return sha + ("+dirty" if dirty else "")
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of the packages a number depends on, and this checkout's commit."""
+def versions(extra: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """Versions of the packages a number depends on (and of the distributions ``extra`` names), and this
+    checkout's commit; ``None`` for a package that is not installed."""
     out: dict[str, str | None] = {}
     for pkg, dist in (("torch", "torch"), ("transformers", "transformers"), ("lm_eval", "lm_eval"),
-                      ("fla", "flash-linear-attention"), ("triton", "triton"), ("datasets", "datasets")):
+                      ("fla", "flash-linear-attention"), ("triton", "triton"), ("datasets", "datasets"),
+                      *((name, name) for name in extra)):
         try:
             out[pkg] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -198,7 +198,9 @@ def test_mamba3_kernel_check_reports_each_case_on_its_own(tmp_path: Path) -> Non
         pytest.skip("the error row needs a machine without CUDA")
     out = tmp_path / "m.json"
     main(["--cases", "siso:64:32:64:2x64", "--timeout", "120", "--out", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    (row,) = written["rows"]
+    assert {"torch", "mamba_ssm", "tilelang", "kdn"} <= set(written["header"]["versions"])
     assert row["kind"] == "siso" and row["seq_len"] == 64 and "CUDA" in row["error"] and "out_rel_err" not in row
     assert "bench/mamba3_kernels.py" in row["where"]  # the frame that raised, outside torch
 
