@@ -3,6 +3,8 @@ parameter parity with fla's layers, attention windows, padding and packing. CPU,
 from __future__ import annotations
 
 import math
+import sys
+import types
 import warnings
 
 import pytest
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kdn.layers import RecurrentCache
+from models.layers._mamba_kernels import ShapeStableJit, stabilise_tilelang_kernels
 from models.layers.attention import Attention
 from models.layers.delta import DELTA_MIXERS, fla_layer_kwargs, fla_state_dict_map
 from models.layers.mamba3 import Mamba3, mamba3_scan, rotate
@@ -243,6 +246,46 @@ def test_mamba3_bad_arguments() -> None:
     with pytest.raises(ValueError, match="head_dim <= state_size"):
         Mamba3(128, state_size=32, head_dim=64, backend="kernels")._use_kernels(cuda, False, 64)
     assert not Mamba3(128, state_size=32, head_dim=64)._use_kernels(cuda, False, 64)
+
+
+
+class _Var:
+    """Stands in for TileLang's symbolic dimension: a new object per call, equal only to itself."""
+
+    def __init__(self, name: str, dtype: str = "int32") -> None:
+        self.name_hint, self.dtype = name, dtype
+
+
+class _Jit:
+    """Stands in for ``tilelang.jit``: counts the kernels it builds."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple] = []
+
+    def __call__(self, *args: object, **kwargs: object) -> tuple:
+        self.built.append((args, kwargs))
+        return ("kernel", len(self.built))
+
+    def get_tir(self) -> str:
+        return "tir"
+
+
+def test_tilelang_kernels_are_built_once_per_argument_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("fake_mimo_fwd")
+    jit, other = _Jit(), _Jit()
+    module.mamba_mimo_fwd, module.helper = jit, other
+    monkeypatch.setitem(sys.modules, "fake_mimo_fwd", module)
+    assert stabilise_tilelang_kernels(("fake_mimo_fwd", "not_imported"), _Jit, _Var) == 2
+    assert stabilise_tilelang_kernels(("fake_mimo_fwd",), _Jit, _Var) == 0  # wrapped already
+    factory = module.mamba_mimo_fwd
+    assert isinstance(factory, ShapeStableJit) and factory.get_tir() == "tir"
+    first = factory(_Var("B"), _Var("S"), 32, 64, True, chunk_size=16)
+    assert factory(_Var("B"), _Var("S"), 32, 64, True, chunk_size=16) is first  # fresh variables, same names
+    assert len(jit.built) == 1
+    assert factory(_Var("B"), _Var("S"), 32, 64, True, chunk_size=8) != first  # another static argument
+    assert factory(_Var("B"), _Var("T"), 32, 64, True, chunk_size=16) != first  # another dimension name
+    assert factory(_Var("B", "int64"), _Var("S"), 32, 64, True, chunk_size=16) != first
+    assert len(jit.built) == 4 and not other.built
 
 
 # --- attention --------------------------------------------------------------------------------------

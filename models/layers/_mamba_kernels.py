@@ -4,16 +4,26 @@
 ``MAMBA_SKIP_CUDA_BUILD=TRUE`` does not contain, although the Mamba-3 kernels are pure Python
 (Triton / TileLang). When the package's ``__init__`` fails, the package is registered as a bare
 namespace (its ``__init__`` skipped) so that the Mamba-3 modules import on their own.
+
+mamba-ssm's MIMO wrappers ask TileLang for their kernel on every call with new ``T.dynamic("B")`` (and ``S``,
+``H``, ``G``) variables. TileLang keys its compiled kernels on those variables, which compare by identity, so
+every call misses that cache, rebuilds the kernel's program and finds it again in a second cache keyed on the
+program's text: host time on each of a training step's six kernel calls, and a cache that grows with every call.
+:class:`ShapeStableJit` keys the kernels on the variables' names instead; a kernel compiled for symbolic
+dimensions takes any size of them, so one serves every call of its arguments.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.util
+import logging
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
+logger = logging.getLogger(__name__)
 UNAVAILABLE: dict[str, str] = {}
 """Why a kernel could not be loaded, by kernel name (filled by :func:`mamba3_kernels`)."""
 
@@ -42,6 +52,68 @@ def _load(module: str, name: str) -> Callable | None:
         return None
 
 
+MIMO_KERNEL_MODULES = tuple(f"mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_{part}" for part in
+                            ("fwd", "bwd", "fwd_varlen", "bwd_varlen"))
+"""The modules whose TileLang kernel factories :func:`stabilise_tilelang_kernels` wraps."""
+
+
+class ShapeStableJit:
+    """A TileLang ``@tilelang.jit`` kernel factory whose kernels are kept by argument, a symbolic dimension
+    (an instance of ``var_type``) counting by its ``name_hint`` and ``dtype`` rather than by identity.
+
+    Args:
+        factory: the ``tilelang.jit`` object, called as ``factory(*args, **kwargs) -> kernel``.
+        var_type: TileLang's symbolic-dimension class (``tvm.tir.Var``).
+    """
+
+    def __init__(self, factory: Callable[..., Any], var_type: type) -> None:
+        self.factory, self.var_type = factory, var_type
+        self.kernels: dict[tuple, Any] = {}
+
+    def _key(self, value: object) -> object:
+        if isinstance(value, self.var_type):
+            return ("symbolic", value.name_hint, str(value.dtype))
+        return value
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        key = (tuple(self._key(a) for a in args), tuple(sorted((k, self._key(v)) for k, v in kwargs.items())))
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            kernel = self.kernels[key] = self.factory(*args, **kwargs)
+        return kernel
+
+    def __getattr__(self, name: str) -> Any:  # the factory's other methods (get_tir, compile, ...)
+        return getattr(self.factory, name)
+
+
+def stabilise_tilelang_kernels(modules: tuple[str, ...], jit_type: type, var_type: type) -> int:
+    """Wrap every ``jit_type`` object at the top level of ``modules`` (imported ones) in :class:`ShapeStableJit`,
+    where the wrappers look it up when they run; a module already wrapped is left as it is.
+
+    Returns:
+        How many factories were wrapped.
+    """
+    wrapped = 0
+    for name in modules:
+        module = sys.modules.get(name)
+        for attr, value in list(vars(module).items()) if module is not None else ():
+            if isinstance(value, jit_type):
+                setattr(module, attr, ShapeStableJit(value, var_type))
+                wrapped += 1
+    return wrapped
+
+
+def _stabilise_mimo() -> None:
+    try:
+        import tilelang.language as T
+        from tilelang.jit import JITImpl
+    except Exception as error:  # a TileLang without these names: its own dispatch still computes the same kernels
+        logger.warning("TileLang's kernel factories not wrapped (%s: %s): every MIMO kernel call rebuilds its "
+                       "program", type(error).__name__, error)
+        return
+    stabilise_tilelang_kernels(MIMO_KERNEL_MODULES, JITImpl, type(T.dynamic("B")))
+
+
 @functools.cache
 def mamba3_kernels() -> tuple[Callable | None, Callable | None]:
     """``(mamba3_siso_combined, mamba3_mimo)``; each ``None`` when it cannot be imported."""
@@ -49,4 +121,6 @@ def mamba3_kernels() -> tuple[Callable | None, Callable | None]:
         return None, None
     siso = _load("mamba_ssm.ops.triton.mamba3.mamba3_siso_combined", "mamba3_siso_combined")
     mimo = _load("mamba_ssm.ops.tilelang.mamba3.mamba3_mimo", "mamba3_mimo")
+    if mimo is not None:
+        _stabilise_mimo()
     return siso, mimo
