@@ -253,7 +253,7 @@ class _Var:
     """Stands in for TileLang's symbolic dimension: a new object per call, equal only to itself."""
 
     def __init__(self, name: str, dtype: str = "int32") -> None:
-        self.name_hint, self.dtype = name, dtype
+        self.name, self.dtype = name, dtype
 
 
 class _Jit:

@@ -211,6 +211,10 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     md, png = write_report(load_results(path), path)
     assert "| kdn_diag |" in md.read_text() and "79.1 ± 0.7" in table(data) and png.stat().st_size > 1000
     assert data["config"]["seeds"] == [0, 1] and data["versions"]["torch"] == torch.__version__
+    empty = tmp_path / "none.json"  # a grid whose every job failed still writes its (empty) table
+    empty.write_text(json.dumps({**data, "rows": []}))
+    md, png = write_report(load_results(empty), empty)
+    assert png is None and md.exists() and not empty.with_suffix(".png").exists()
 
 
 def test_a_named_commit_stands_in_for_a_copied_checkouts(monkeypatch: pytest.MonkeyPatch) -> None:

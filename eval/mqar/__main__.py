@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
     print(table(data))
     print(f"mqar: {len(results)} models in {data['wall_s']:.0f}s (their own times: {data['jobs_wall_s']:.0f}s; "
           f"the {len(runs)} training run(s) of {cfg.out}: {data['runs_wall_s']:.0f}s)")
-    print(f"mqar: wrote {cfg.results}, {md} and {png}")
+    print(f"mqar: wrote {cfg.results}, {md}{'' if png is None else f' and {png}'}")
     if missing and not cfg.train:
         print(f"mqar: {len(missing)} of {len(missing) + len(results)} jobs have no result yet (missing_jobs); the "
               "table covers the others")

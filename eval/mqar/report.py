@@ -97,13 +97,16 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
     tmp.replace(path)
 
 
-def write_report(data: dict[str, Any], results: str | Path) -> tuple[Path, Path]:
-    """Write the table and plot beside ``results``; returns their paths."""
+def write_report(data: dict[str, Any], results: str | Path) -> tuple[Path, Path | None]:
+    """Write the table and plot beside ``results``; returns their paths (the plot's ``None`` when no job has a
+    result yet: there is nothing to plot)."""
     results = Path(results)
     md, png = results.with_suffix(".md"), results.with_suffix(".png")
     tmp = md.with_name(f".{md.name}.tmp")
     tmp.write_text(table(data))
     tmp.replace(md)
+    if not data["rows"]:
+        return md, None
     plot(data, png)
     return md, png
 
@@ -113,7 +116,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m eval.mqar.report RESULTS.json")
     md, png = write_report(load_results(argv[0]), argv[0])
     print(md.read_text())
-    print(f"wrote {md} and {png}")
+    print(f"wrote {md}{'' if png is None else f' and {png}'}")
 
 
 if __name__ == "__main__":

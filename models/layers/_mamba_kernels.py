@@ -59,7 +59,7 @@ MIMO_KERNEL_MODULES = tuple(f"mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_{part}" 
 
 class ShapeStableJit:
     """A TileLang ``@tilelang.jit`` kernel factory whose kernels are kept by argument, a symbolic dimension
-    (an instance of ``var_type``) counting by its ``name_hint`` and ``dtype`` rather than by identity.
+    (an instance of ``var_type``) counting by its ``name`` and ``dtype`` rather than by identity.
 
     Args:
         factory: the ``tilelang.jit`` object, called as ``factory(*args, **kwargs) -> kernel``.
@@ -72,7 +72,7 @@ class ShapeStableJit:
 
     def _key(self, value: object) -> object:
         if isinstance(value, self.var_type):
-            return ("symbolic", value.name_hint, str(value.dtype))
+            return ("symbolic", value.name, str(value.dtype))
         return value
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
