@@ -269,3 +269,14 @@ def test_tilelang_kernels_are_packed_without_their_scratch(tmp_path: Path) -> No
     assert not (tmp_path / "empty.tgz").exists()
     listing = subprocess.run(["tar", "tzf", str(tmp_path / "full.tgz")], capture_output=True, text=True).stdout
     assert "./k1/kernel.so" in listing and "scratch" not in listing
+
+
+def test_tilelang_dispatch_refuses_a_machine_without_cuda() -> None:
+    import torch
+
+    from bench import tilelang_dispatch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        tilelang_dispatch.main(["--calls", "1"])
