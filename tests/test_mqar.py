@@ -210,6 +210,7 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     path.write_text(json.dumps(data))
     md, png = write_report(load_results(path), path)
     assert "| kdn_diag |" in md.read_text() and "79.1 ± 0.7" in table(data) and png.stat().st_size > 1000
+    assert "Best rate: 0.001 in 6, 0.01 in 6 of 12 cells; 12 at an end of the sweep" in table(data)
     assert data["config"]["seeds"] == [0, 1] and data["versions"]["torch"] == torch.__version__
     empty = tmp_path / "none.json"  # a grid whose every job failed still writes its (empty) table
     empty.write_text(json.dumps({**data, "rows": []}))

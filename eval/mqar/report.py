@@ -60,6 +60,13 @@ def table(data: dict[str, Any]) -> str:
         rec = [r["state"] for r in rows if r["setting"] == s and r["width"] == w and r["state_recurrent"]]
         states.append(f"{min(rec):,}–{max(rec):,}" if rec and min(rec) != max(rec) else f"{rec[0]:,}" if rec else "")
     lines.append("| recurrent state | " + " | ".join(states) + " |")
+    lrs = sorted(data["config"]["lrs"])
+    if len(lrs) > 1 and rows:
+        counts = {lr: sum(r["best_lr"] == lr for r in rows) for lr in lrs}
+        edges = counts[lrs[0]] + counts[lrs[-1]]
+        best = ", ".join(f"{lr:g} in {n}" for lr, n in counts.items())
+        lines += ["", f"Best rate: {best} of {len(rows)} cells; {edges} at an end of the sweep, where a rate beyond "
+                  "it might do better."]
     return "\n".join(lines) + "\n"
 
 
