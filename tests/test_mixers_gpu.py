@@ -6,6 +6,7 @@ skip unless mamba-ssm's kernels import (see ``models/layers/_mamba_kernels.py``)
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import models
 from kdn.layers import RecurrentCache
-from models.layers._mamba_kernels import UNAVAILABLE, mamba3_kernels
+from models.layers._mamba_kernels import MIMO_KERNEL_MODULES, UNAVAILABLE, ShapeStableJit, mamba3_kernels
 from models.layers.delta import DELTA_MIXERS, fla_layer_kwargs, fla_state_dict_map
 from models.layers.mamba3 import Mamba3
 
@@ -128,8 +129,8 @@ def _need(kernel_index: int) -> None:
         pytest.skip(f"mamba-ssm Mamba-3 kernel not importable: {UNAVAILABLE}")
 
 
-@pytest.mark.parametrize("hidden,state", [(512, 64), (256, 32)])  # (256, 32): the MQAR benchmark's width 256
-@pytest.mark.parametrize("mimo", [False, True])
+# (256, 32): the MQAR benchmark's width 256, where SISO's kernels refuse the shape (SISO_KERNEL_RULE)
+@pytest.mark.parametrize("mimo,hidden,state", [(False, 512, 64), (True, 512, 64), (True, 256, 32)])
 def test_mamba3_kernels_match_reference(mimo: bool, hidden: int, state: int) -> None:
     _need(1 if mimo else 0)
     torch.manual_seed(0)
@@ -145,6 +146,29 @@ def test_mamba3_kernels_match_reference(mimo: bool, hidden: int, state: int) -> 
     assert rel_err(outs["kernels"][0], outs["torch"][0]) < 3e-2
     for g_kernel, g_torch in zip(outs["kernels"][1], outs["torch"][1]):
         assert rel_err(g_kernel, g_torch) < 5e-2
+
+
+def test_mamba3_mimo_kernel_lookups_are_kept() -> None:
+    """Another batch size and length build no TileLang kernel: mamba-ssm's lookups with new symbolic dimensions
+    find the kernels :class:`ShapeStableJit` keeps, and those kernels take any size of them."""
+    _need(1)
+    factories = [f for name in MIMO_KERNEL_MODULES[:2] for f in vars(importlib.import_module(name)).values()
+                 if isinstance(f, ShapeStableJit)]
+    assert len(factories) == 3  # forward, and the backward's two kernels
+    torch.manual_seed(0)
+    layer = Mamba3(256, state_size=32, head_dim=64, is_mimo=True, mimo_rank=4, layer_idx=0, backend="kernels").to(CUDA)
+
+    def step(batch: int, length: int) -> None:
+        x = torch.randn(batch, length, 256, device=CUDA, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)[0]
+        y.float().square().mean().backward()
+        assert torch.isfinite(x.grad).all()
+
+    step(2, 128)
+    built = [len(f.kernels) for f in factories]
+    step(3, 192)
+    assert all(built) and [len(f.kernels) for f in factories] == built
 
 
 @pytest.mark.parametrize("mimo", [False, True])
