@@ -96,7 +96,9 @@ def stabilise_tilelang_kernels(modules: tuple[str, ...], jit_type: type, var_typ
     wrapped = 0
     for name in modules:
         module = sys.modules.get(name)
-        for attr, value in list(vars(module).items()) if module is not None else ():
+        if module is None:
+            continue
+        for attr, value in list(vars(module).items()):
             if isinstance(value, jit_type):
                 setattr(module, attr, ShapeStableJit(value, var_type))
                 wrapped += 1
