@@ -42,19 +42,16 @@ def lookups(calls: int) -> list[dict]:
 
     from models.layers._mamba_kernels import MIMO_KERNEL_MODULES, ShapeStableJit
 
-    def symbolic(value: object) -> object:
-        is_var = isinstance(value, tuple) and len(value) == 3 and value[0] == "symbolic"
-        return T.dynamic(value[1], value[2]) if is_var else value
-
     rows = []
     for name in MIMO_KERNEL_MODULES:
         module = importlib.import_module(name)
         for attr, factory in vars(module).items():
             if not isinstance(factory, ShapeStableJit):
                 continue
-            for args, kwargs in list(factory.kernels):
-                def call(fn: Callable[..., object], a: tuple = args, kw: tuple = kwargs) -> object:
-                    return fn(*map(symbolic, a), **{k: symbolic(v) for k, v in kw})
+            for key in list(factory.kernels):
+                def call(fn: Callable[..., object], key: tuple = key) -> object:
+                    args, kwargs = ShapeStableJit.arguments(key, T.dynamic)
+                    return fn(*args, **kwargs)
 
                 rows.append({"kernel": f"{name.rsplit('.', 1)[-1]}.{attr}",
                              "upstream_ms": 1e3 * _median_s(lambda c=call, f=factory: c(f.factory), calls),

@@ -286,6 +286,10 @@ def test_tilelang_kernels_are_built_once_per_argument_names(monkeypatch: pytest.
     assert factory(_Var("B"), _Var("T"), 32, 64, True, chunk_size=16) != first  # another dimension name
     assert factory(_Var("B", "int64"), _Var("S"), 32, 64, True, chunk_size=16) != first
     assert len(jit.built) == 4 and not other.built
+    key = next(iter(factory.kernels))  # a kept key gives back the arguments, with new dimensions of the same names
+    args, kwargs = ShapeStableJit.arguments(key, _Var)
+    assert [a.name for a in args[:2]] == ["B", "S"] and args[2:] == (32, 64, True) and kwargs == {"chunk_size": 16}
+    assert factory(*args, **kwargs) is first and len(jit.built) == 4
 
 
 # --- attention --------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ MIMO_KERNEL_MODULES = tuple(f"mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_{part}" 
 """The modules whose TileLang kernel factories :func:`stabilise_tilelang_kernels` wraps."""
 
 
+SYMBOLIC = "symbolic"
+"""The tag of a symbolic dimension in :class:`ShapeStableJit`'s keys."""
+
+
 class ShapeStableJit:
     """A TileLang ``@tilelang.jit`` kernel factory whose kernels are kept by argument, a symbolic dimension
     (an instance of ``var_type``) counting by its ``name`` and ``dtype`` rather than by identity.
@@ -72,8 +76,18 @@ class ShapeStableJit:
 
     def _key(self, value: object) -> object:
         if isinstance(value, self.var_type):
-            return ("symbolic", value.name, str(value.dtype))
+            return (SYMBOLIC, value.name, str(value.dtype))
         return value
+
+    @staticmethod
+    def arguments(key: tuple, new_var: Callable[[str, str], object]) -> tuple[tuple, dict[str, object]]:
+        """The ``(args, kwargs)`` of a kept kernel's ``key`` as mamba-ssm passes them: a new symbolic dimension,
+        ``new_var(name, dtype)``, for each one."""
+        def value(v: object) -> object:
+            return new_var(v[1], v[2]) if isinstance(v, tuple) and len(v) == 3 and v[0] == SYMBOLIC else v
+
+        args, kwargs = key
+        return tuple(map(value, args)), {k: value(v) for k, v in kwargs}
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
         key = (tuple(self._key(a) for a in args), tuple(sorted((k, self._key(v)) for k, v in kwargs.items())))
