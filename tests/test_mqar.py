@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ from eval.mqar import (
     write_report,
 )
 from eval.mqar.data import block_seed
-from eval.mqar.run import git_commit, groups, header, runs_of
+from eval.mqar.run import git_commit, groups, header, measured_costs, queue, runs_of
 from eval.mqar.step import TrainStep
 from eval.mqar.train import JobRun, train_together
 from models import build_model
@@ -211,6 +213,9 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     md, png = write_report(load_results(path), path)
     assert "| kdn_diag |" in md.read_text() and "79.1 ± 0.7" in table(data) and png.stat().st_size > 1000
     assert "Best rate: 0.001 in 6, 0.01 in 6 of 12 cells; 12 at an end of the sweep" in table(data)
+    # a grid still filling: attention at width 64 has seed 0 alone, so its cells show no spread and say n
+    part = summarize([r for r in records if (r["mixer"], r["width"], r["seed"]) != ("attn", 64, 1)], cfg)
+    assert "| attn | 78.6 (n=1) | 79.8 ± 0.7 |" in table({**data, "rows": part})
     assert data["config"]["seeds"] == [0, 1] and data["versions"]["torch"] == torch.__version__
     empty = tmp_path / "none.json"  # a grid whose every job failed still writes its (empty) table
     empty.write_text(json.dumps({**data, "rows": []}))
@@ -267,6 +272,36 @@ def test_groups_hold_one_mixer_and_width() -> None:
     assert all(len({(j.mixer, j.width) for j in g}) == 1 for g in tasks)
     assert [g[0].width for g in tasks] == [128] * 4 + [64] * 4
     assert sorted(j.name for g in tasks for j in g) == sorted(j.name for j in build_jobs(cfg))
+
+
+def test_the_queue_starts_the_cells_measured_longest(tmp_path) -> None:
+    """Stored jobs of other seeds time their cells; the longest cells start first and unmeasured cells are estimated
+    from their width, so that the grid does not end on one slow group."""
+    cfg, _ = parse_overrides(["preset=cpu", "mixers=kda,mamba3_mimo,attn", "widths=64,128", "seeds=1",
+                              f"out={tmp_path}"])
+    budget = json.loads(json.dumps(asdict(cfg.budget())))
+    (tmp_path / "jobs").mkdir()
+
+    def store(name: str, mixer: str, width: int, wall: float, **extra: Any) -> None:
+        job = {"mixer": mixer, "width": width, "wall_s": wall, "identity": {"budget": budget}, "resumed_from": [],
+               "device": "cpu", **extra}
+        (tmp_path / "jobs" / f"{name}.json").write_text(json.dumps(job))
+
+    store("m64", "mamba3_mimo", 64, 500.0)
+    store("k128", "kda", 128, 100.0)
+    store("a64", "attn", 64, 9000.0, resumed_from=[3])  # its time covers part of the job
+    store("k64", "kda", 64, 9000.0, identity={"budget": {**budget, "epochs": 99}})  # another budget
+    store("other", "attn", 128, 9000.0, device="NVIDIA H200")  # another device
+    (tmp_path / "jobs" / "torn.json").write_text("{")
+    costs = measured_costs(tmp_path, cfg.budget(), "cpu")
+    assert costs == {("mamba3_mimo", 64): 500.0, ("kda", 128): 100.0}
+    order = [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), costs)]
+    # unmeasured: 600 s / 192 width units = 3.125 s each, so 400 s at width 128 and 200 s at width 64
+    cells = list(dict.fromkeys(order))
+    assert cells == [("mamba3_mimo", 64), ("mamba3_mimo", 128), ("attn", 128), ("kda", 64), ("attn", 64),
+                     ("kda", 128)]
+    assert [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), {})] == [
+        (j.mixer.label, j.width) for j in build_jobs(cfg)]  # nothing measured: by width, as built
 
 
 def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:

@@ -36,6 +36,14 @@ def settings_of(config: dict[str, Any]) -> list[str]:
     return scored_names(config.get("settings", []), config.get("test_settings", []))
 
 
+def _cell(row: dict[str, Any], seeds: int) -> str:
+    """``mean ± std`` (%) of a row's seeds; one seed has no spread to show, and a row with fewer seeds than the grid
+    (a grid still filling) says how many it has."""
+    n = len(row["test_acc"])
+    text = f"{100 * row['test_acc_mean']:.1f}" + ("" if n == 1 else f" ± {100 * row['test_acc_std']:.1f}")
+    return text if n >= seeds else f"{text} (n={n})"
+
+
 def table(data: dict[str, Any]) -> str:
     """Markdown: one row per mixer, one column per ``setting / width``, cells ``mean ± std`` test accuracy (%)."""
     rows = data["rows"]
@@ -45,15 +53,15 @@ def table(data: dict[str, Any]) -> str:
     mixers = [m for m in data["config"]["mixers"] if any(r["mixer"] == m for r in rows)]
     cell = {(r["mixer"], r["setting"], r["width"]): r for r in rows}
     seeds = len(data["config"]["seeds"])
-    lines = [f"MQAR test accuracy (%), mean ± std over {seeds} seed(s), best of the LR sweep "
-             f"{data['config']['lrs']} by validation accuracy; state per column below.", "",
+    lines = [f"MQAR test accuracy (%), mean ± std over {seeds} seed(s) (a cell with fewer says n), best of the LR "
+             f"sweep {data['config']['lrs']} by validation accuracy; state per column below.", "",
              "| mixer | " + " | ".join(f"{s} d{w}" for s, w in cols) + " |",
              "|---|" + "---:|" * len(cols)]
     for m in mixers:
         vals = []
         for s, w in cols:
             r = cell.get((m, s, w))
-            vals.append("" if r is None else f"{100 * r['test_acc_mean']:.1f} ± {100 * r['test_acc_std']:.1f}")
+            vals.append("" if r is None else _cell(r, seeds))
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
     states = []
     for s, w in cols:

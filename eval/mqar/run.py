@@ -55,7 +55,7 @@ class Job:
 
     @property
     def cost(self) -> float:
-        """Relative work: the width (every job trains the same tokens); orders the queue, longest first."""
+        """Relative work before any is measured: the width (every job trains the same tokens); see :func:`queue`."""
         return float(self.width)
 
     def identity(self) -> dict[str, Any]:
@@ -169,6 +169,30 @@ def groups(jobs: list[Job], size: int) -> list[list[Job]]:
     return out
 
 
+def measured_costs(out: Path, budget: Budget, device: str) -> dict[tuple[str, int], float]:
+    """Mean wall time (s) per ``(mixer, width)`` of the jobs stored under ``out/jobs`` that trained ``budget`` in one
+    go on ``device`` (a job file without a device counts as this one's): any rate or seed of a cell trains the same
+    tokens through the same model, so another seed's time predicts this one's."""
+    want, walls = json.loads(json.dumps(asdict(budget))), {}
+    for path in sorted((out / "jobs").glob("*.json")):
+        try:
+            job = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(job, dict) and job.get("wall_s") and not job.get("resumed_from")
+                and job.get("device", device) == device and (job.get("identity") or {}).get("budget") == want):
+            walls.setdefault((job["mixer"], job["width"]), []).append(job["wall_s"])
+    return {cell: sum(v) / len(v) for cell, v in walls.items()}
+
+
+def queue(todo: list[Job], costs: dict[tuple[str, int], float]) -> list[Job]:
+    """``todo`` longest first, so that the last groups to start are short ones: a cell's cost is its measured time
+    (:func:`measured_costs`), else its width times the measured cells' seconds per unit of width; with nothing
+    measured, the width alone (every job trains the same tokens)."""
+    rate = sum(costs.values()) / sum(float(w) for _, w in costs) if costs else 1.0
+    return sorted(todo, key=lambda j: -costs.get((j.mixer.label, j.width), rate * j.cost))
+
+
 def stored(cfg: MQARConfig) -> tuple[list[dict[str, Any]], list[Job]]:
     """The results of ``cfg``'s jobs stored under ``cfg.out`` (same identity), and the jobs that have none."""
     results, todo = [], []
@@ -203,12 +227,14 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         log(f"mqar: {total} jobs, {len(results)} stored under {out}, {len(todo)} missing (train=false: none run)")
         return results, failed
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
-    tasks = groups(todo, streams)
+    costs = measured_costs(out, cfg.budget(), device_name(device))
+    tasks = groups(queue(todo, costs), streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
     budget = cfg.budget()
     log(f"mqar: {total} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
-        f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens")
+        f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; longest first"
+        f"{f', by the times of {len(costs)} cells stored' if costs else ', by width'}")
     commit = git_commit()
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
     t0, stored_before, stopped = time.perf_counter(), len(results), None
