@@ -227,10 +227,10 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         log(f"mqar: {total} jobs, {len(results)} stored under {out}, {len(todo)} missing (train=false: none run)")
         return results, failed
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
-    costs = measured_costs(out, cfg.budget(), device_name(device))
+    budget = cfg.budget()
+    costs = measured_costs(out, budget, device_name(device))
     tasks = groups(queue(todo, costs), streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
-    budget = cfg.budget()
     log(f"mqar: {total} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
         f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; longest first"
