@@ -34,7 +34,7 @@ from eval.mqar import (
     write_report,
 )
 from eval.mqar.data import block_seed
-from eval.mqar.run import git_commit, groups, header, measured_costs, queue, runs_of
+from eval.mqar.run import cost_model, expected_wall, git_commit, groups, header, measured_costs, queue, runs_of
 from eval.mqar.step import TrainStep
 from eval.mqar.train import JobRun, train_together
 from models import build_model
@@ -295,12 +295,15 @@ def test_the_queue_starts_the_cells_measured_longest(tmp_path) -> None:
     (tmp_path / "jobs" / "torn.json").write_text("{")
     costs = measured_costs(tmp_path, cfg.budget(), "cpu")
     assert costs == {("mamba3_mimo", 64): 500.0, ("kda", 128): 100.0}
-    order = [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), costs)]
+    cost = cost_model(costs)
+    jobs = queue(build_jobs(cfg), cost)
     # unmeasured: 600 s / 192 width units = 3.125 s each, so 400 s at width 128 and 200 s at width 64
-    cells = list(dict.fromkeys(order))
+    cells = list(dict.fromkeys((j.mixer.label, j.width) for j in jobs))
     assert cells == [("mamba3_mimo", 64), ("mamba3_mimo", 128), ("attn", 128), ("kda", 64), ("attn", 64),
                      ("kda", 128)]
-    assert [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), {})] == [
+    # one group a cell (its three rates) on two processes: 500, 200, 200 on one and 400, 400, 100 on the other
+    assert expected_wall(groups(jobs, 3), cost, 2) == 900.0
+    assert [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), cost_model({}))] == [
         (j.mixer.label, j.width) for j in build_jobs(cfg)]  # nothing measured: by width, as built
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import heapq
 import json
 import os
 import platform
@@ -185,12 +186,26 @@ def measured_costs(out: Path, budget: Budget, device: str) -> dict[tuple[str, in
     return {cell: sum(v) / len(v) for cell, v in walls.items()}
 
 
-def queue(todo: list[Job], costs: dict[tuple[str, int], float]) -> list[Job]:
-    """``todo`` longest first, so that the last groups to start are short ones: a cell's cost is its measured time
-    (:func:`measured_costs`), else its width times the measured cells' seconds per unit of width; with nothing
-    measured, the width alone (every job trains the same tokens)."""
+def cost_model(costs: dict[tuple[str, int], float]) -> Callable[[Job], float]:
+    """A job's expected wall time (s) from ``costs`` (:func:`measured_costs`): its cell's, else its width times the
+    measured cells' seconds per unit of width; with nothing measured, its width (a rank, not seconds)."""
     rate = sum(costs.values()) / sum(float(w) for _, w in costs) if costs else 1.0
-    return sorted(todo, key=lambda j: -costs.get((j.mixer.label, j.width), rate * j.cost))
+    return lambda job: costs.get((job.mixer.label, job.width), rate * job.cost)
+
+
+def queue(todo: list[Job], cost: Callable[[Job], float]) -> list[Job]:
+    """``todo`` longest first by ``cost`` (:func:`cost_model`), so that the last groups to start are short ones."""
+    return sorted(todo, key=lambda j: -cost(j))
+
+
+def expected_wall(tasks: list[list[Job]], cost: Callable[[Job], float], workers: int) -> float:
+    """When the last of ``tasks`` would end if each group took its first job's ``cost`` and they went in order to
+    the first free of ``workers`` processes, as the pool hands them out: the grid's time (s) at the concurrency
+    that the measured jobs ran at."""
+    free = [0.0] * workers
+    for group in tasks:
+        heapq.heappush(free, heapq.heappop(free) + cost(group[0]))
+    return max(free)
 
 
 def stored(cfg: MQARConfig) -> tuple[list[dict[str, Any]], list[Job]]:
@@ -229,12 +244,14 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
     budget = cfg.budget()
     costs = measured_costs(out, budget, device_name(device))
-    tasks = groups(queue(todo, costs), streams)
+    cost = cost_model(costs)
+    tasks = groups(queue(todo, cost), streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
+    order = (f"about {expected_wall(tasks, cost, workers):.0f} s by the times of {len(costs)} cells stored, longest "
+             "first" if costs else "longest first by width")
     log(f"mqar: {total} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
-        f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; longest first"
-        f"{f', by the times of {len(costs)} cells stored' if costs else ', by width'}")
+        f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; {order}")
     commit = git_commit()
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
     t0, stored_before, stopped = time.perf_counter(), len(results), None
