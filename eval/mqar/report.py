@@ -12,6 +12,8 @@ from typing import Any
 from eval.mqar.config import scored_names
 from eval.mqar.run import SCHEMA
 
+MARKERS = "osD^v<>phX*P"  # one per mixer, with its colour
+
 
 def load_results(path: str | Path) -> dict[str, Any]:
     """A results JSON written by ``python -m eval.mqar``; a one-line ``ValueError`` naming the problem and the fix for
@@ -79,8 +81,9 @@ def table(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], path: str | Path) -> None:
-    """One panel per setting: test accuracy against state size (log x), one line per mixer over the widths;
-    attention (its KV cache, not a fixed state) dashed."""
+    """One panel per setting: test accuracy against state size (log x), one line per mixer over the widths, each
+    mixer its own colour and marker (the grid has more mixers than matplotlib has default colours); attention (its
+    KV cache, not a fixed state) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,14 +92,16 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
     rows = data["rows"]
     settings = [s for s in settings_of(data["config"]) if any(r["setting"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.6), squeeze=False, sharey=True)
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("tab20").colors[1::2]  # then the light shades
     for ax, s in zip(axes[0], settings):
-        for m in data["config"]["mixers"]:
+        for i, m in enumerate(data["config"]["mixers"]):
             pts = sorted((r["state"], r["test_acc_mean"], r["test_acc_std"], r["state_recurrent"])
                          for r in rows if r["setting"] == s and r["mixer"] == m)
             if not pts:
                 continue
             x, y, e = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
-            ax.errorbar(x, y, yerr=e, marker="o", ms=3, capsize=2, label=m, ls="-" if pts[0][3] else "--")
+            ax.errorbar(x, y, yerr=e, marker=MARKERS[i % len(MARKERS)], ms=4, capsize=2, label=m,
+                        color=colors[i % len(colors)], ls="-" if pts[0][3] else "--")
         ax.set_xscale("log")
         ax.set_title(f"MQAR {s}")
         ax.set_xlabel("state (elements)")
