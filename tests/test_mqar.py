@@ -34,7 +34,17 @@ from eval.mqar import (
     write_report,
 )
 from eval.mqar.data import block_seed
-from eval.mqar.run import cost_model, expected_wall, git_commit, groups, header, measured_costs, queue, runs_of
+from eval.mqar.run import (
+    cost_model,
+    expected_wall,
+    git_commit,
+    groups,
+    header,
+    measured_costs,
+    queue,
+    runs_of,
+    time_folders,
+)
 from eval.mqar.step import TrainStep
 from eval.mqar.train import JobRun, train_together
 from models import build_model
@@ -305,6 +315,29 @@ def test_the_queue_starts_the_cells_measured_longest(tmp_path) -> None:
     assert expected_wall(groups(jobs, 3), cost, 2) == 900.0
     assert [(j.mixer.label, j.width) for j in queue(build_jobs(cfg), cost_model({}))] == [
         (j.mixer.label, j.width) for j in build_jobs(cfg)]  # nothing measured: by width, as built
+
+
+def test_the_queue_takes_the_cells_out_lacks_from_other_folders(tmp_path, monkeypatch) -> None:
+    """A new ``out`` on a device with stored times elsewhere (``times``, default the shipped H200 jobs) orders its
+    queue by them; ``out``'s own time of a cell wins, and a file elsewhere must name its device."""
+    cfg, _ = parse_overrides(["preset=cpu", "mixers=kda,attn", "widths=64", f"out={tmp_path / 'out'}",
+                              f"times={tmp_path / 'h200'},missing"])
+    budget = {"budget": json.loads(json.dumps(asdict(cfg.budget())))}
+    for folder, name, mixer, wall, device in (("out", "k", "kda", 10.0, None), ("h200", "k", "kda", 99.0, "cpu"),
+                                              ("h200", "a", "attn", 50.0, "cpu"), ("h200", "a2", "attn", 70.0, "cpu"),
+                                              ("h200", "x", "attn", 900.0, None)):
+        (tmp_path / folder / "jobs").mkdir(parents=True, exist_ok=True)
+        job = {"mixer": mixer, "width": 64, "wall_s": wall, "identity": budget, **({"device": device} if device
+                                                                                     else {})}
+        (tmp_path / folder / "jobs" / f"{name}.json").write_text(json.dumps(job))
+    assert time_folders(cfg) == (tmp_path / "h200",)  # a folder without jobs/ is skipped
+    assert measured_costs(tmp_path / "out", cfg.budget(), "cpu", time_folders(cfg)) == {
+        ("kda", 64): 10.0, ("attn", 64): 60.0}
+    assert measured_costs(tmp_path / "out", cfg.budget(), "NVIDIA H200", time_folders(cfg)) == {("kda", 64): 10.0}
+    monkeypatch.chdir(tmp_path)  # the default resolves from the repository root, wherever the command runs
+    default, _ = parse_overrides(["preset=cpu"])
+    assert [p.name for p in time_folders(default)] == ["mqar_h200_grid"]
+    assert time_folders(parse_overrides(["preset=cpu", "times="])[0]) == ()
 
 
 def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:

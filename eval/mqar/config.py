@@ -13,6 +13,8 @@ ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", 
 """Every registry mixer at its defaults (Diagonal KDN's ``mu = d_k``) plus Diagonal KDN at ``mu = 1`` and ``4 d_k``."""
 ZOOLOGY_SETTINGS = ("64x4", "128x8", "256x16", "512x64")
 LONG_SETTINGS = ("1024x128", "2048x256")
+H200_TIMES = "bench/results/mqar_h200_grid"
+"""The job files of the default grid trained on one H200, whose wall times order a new grid's queue there."""
 
 
 def scored_names(settings: list[str], test_settings: list[str]) -> list[str]:
@@ -35,7 +37,9 @@ class MQARConfig:
 
     How it runs (no effect on the results' identity): ``workers`` processes (0: 6 on CUDA, 1 on the CPU), each
     training up to ``streams`` jobs of one ``(mixer, width)`` side by side on their own CUDA streams (0: 3 on CUDA,
-    1 on the CPU), their steps replayed from CUDA graphs when ``graphs``. ``train=false`` trains nothing and
+    1 on the CPU), their steps replayed from CUDA graphs when ``graphs``; the longest jobs start first, by the wall
+    times of the jobs stored under ``out`` and, for the cells it lacks, under the folders ``times`` on the same
+    device (``times=`` for none: :func:`eval.mqar.run.measured_costs`). ``train=false`` trains nothing and
     reports the jobs already stored under ``out`` (a grid cut short: the rest are listed as missing).
     """
 
@@ -67,6 +71,7 @@ class MQARConfig:
     graphs: bool = True
     train: bool = True
     threads: int = 1
+    times: list[str] = field(default_factory=lambda: [H200_TIMES])
     out: str = ""
     results: str = ""
 

@@ -170,20 +170,37 @@ def groups(jobs: list[Job], size: int) -> list[list[Job]]:
     return out
 
 
-def measured_costs(out: Path, budget: Budget, device: str) -> dict[tuple[str, int], float]:
-    """Mean wall time (s) per ``(mixer, width)`` of the jobs stored under ``out/jobs`` that trained ``budget`` in one
-    go on ``device`` (a job file without a device counts as this one's): any rate or seed of a cell trains the same
-    tokens through the same model, so another seed's time predicts this one's."""
-    want, walls = json.loads(json.dumps(asdict(budget))), {}
-    for path in sorted((out / "jobs").glob("*.json")):
-        try:
-            job = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if (isinstance(job, dict) and job.get("wall_s") and not job.get("resumed_from")
-                and job.get("device", device) == device and (job.get("identity") or {}).get("budget") == want):
-            walls.setdefault((job["mixer"], job["width"]), []).append(job["wall_s"])
-    return {cell: sum(v) / len(v) for cell, v in walls.items()}
+def measured_costs(out: Path, budget: Budget, device: str, more: tuple[Path, ...] = ()) -> dict[tuple[str, int], float]:
+    """Mean wall time (s) per ``(mixer, width)`` of the stored jobs that trained ``budget`` in one go on ``device``:
+    those under ``out/jobs`` (a job file without a device counts as this one's), and for a cell that ``out`` lacks,
+    those under ``<m>/jobs`` of the folders ``more`` (their device must be named). Any rate or seed of a cell trains
+    the same tokens through the same model, so another seed's time predicts this one's."""
+    want, costs = json.loads(json.dumps(asdict(budget))), {}
+    for folder, default in ((out, device), *((m, None) for m in more)):
+        walls: dict[tuple[str, int], list[float]] = {}
+        for path in sorted((folder / "jobs").glob("*.json")):
+            try:
+                job = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if (isinstance(job, dict) and job.get("wall_s") and not job.get("resumed_from")
+                    and job.get("device", default) == device and (job.get("identity") or {}).get("budget") == want):
+                walls.setdefault((job["mixer"], job["width"]), []).append(job["wall_s"])
+        costs = {**{cell: sum(v) / len(v) for cell, v in walls.items()}, **costs}
+    return costs
+
+
+def time_folders(cfg: MQARConfig) -> tuple[Path, ...]:
+    """``cfg.times`` as folders that exist: a relative path from the current directory, else from the repository
+    root (where the shipped H200 times are)."""
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for name in cfg.times:
+        for path in (Path(name), root / name):
+            if (path / "jobs").is_dir():
+                found.append(path)
+                break
+    return tuple(found)
 
 
 def cost_model(costs: dict[tuple[str, int], float]) -> Callable[[Job], float]:
@@ -243,12 +260,12 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         return results, failed
     streams = cfg.streams or (3 if device.type == "cuda" else 1)
     budget = cfg.budget()
-    costs = measured_costs(out, budget, device_name(device))
+    costs = measured_costs(out, budget, device_name(device), time_folders(cfg))
     cost = cost_model(costs)
     tasks = groups(queue(todo, cost), streams)
     workers = min(cfg.workers or (6 if device.type == "cuda" else 1), max(1, len(tasks)))
-    order = (f"about {expected_wall(tasks, cost, workers):.0f} s by the times of {len(costs)} cells stored, longest "
-             "first" if costs else "longest first by width")
+    order = (f"about {expected_wall(tasks, cost, workers):.0f} s by the measured times of {len(costs)} cells, "
+             "longest first" if costs else "longest first by width")
     log(f"mqar: {total} jobs ({len(results)} stored, {len(todo)} to run) on {device} with {workers} worker(s) "
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
         f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; {order}")
