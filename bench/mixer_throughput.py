@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import roofline
+from eval.results import git_commit
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -260,7 +261,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "fla": fla.__version__, "date": datetime.date.today().isoformat(), "batch": args.batch,
         "d_model": d, "heads": H, "head_dim": K, "dtype": "bfloat16", "repeats": args.repeats,
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "commit": git_commit(),
     }
     for T in args.T:
         for name in args.mixers:
