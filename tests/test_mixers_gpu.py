@@ -5,6 +5,7 @@ skip unless mamba-ssm's kernels import (see ``models/layers/_mamba_kernels.py``)
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from collections.abc import Callable
@@ -169,6 +170,23 @@ def test_mamba3_mimo_kernel_lookups_are_kept() -> None:
     built = [len(f.kernels) for f in factories]
     step(3, 192)
     assert all(built) and [len(f.kernels) for f in factories] == built
+
+
+def test_mamba3_mimo_kernels_run_a_bf16_layer() -> None:
+    """A MIMO layer cast to BF16 (as bench.mixer_throughput does) runs TileLang's kernels, which take its biases,
+    ``D`` and MIMO projections in FP32 only, and matches the FP32 layer under autocast."""
+    _need(1)
+    torch.manual_seed(0)
+    layer = Mamba3(256, state_size=32, head_dim=64, is_mimo=True, mimo_rank=4, layer_idx=0, backend="kernels").to(CUDA)
+    x = torch.randn(2, 256, 256, device=CUDA)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = layer(x)[0].float()
+    low = copy.deepcopy(layer).to(torch.bfloat16)
+    xb = x.bfloat16().requires_grad_()
+    y = low(xb)[0]
+    y.float().square().mean().backward()
+    assert rel_err(y.float(), ref) < 3e-2
+    assert torch.isfinite(xb.grad).all() and low.C_bias.grad.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("mimo", [False, True])

@@ -323,9 +323,12 @@ class Mamba3(nn.Module):
             "cu_seqlens": None if cu_seqlens is None else cu_seqlens.to(torch.int32),
         }
         if self.is_mimo:
-            out = mimo(Q=p["q"], K=p["k"], Q_bias=self.C_bias, K_bias=self.B_bias, MIMO_V=self.mimo_x,
-                       MIMO_Z=self.mimo_z, MIMO_Out=self.mimo_o, rotary_dim_divisor=self.rotary_dim_divisor,
-                       dtype=p["x"].dtype, return_state=use_cache, **common)
+            # TileLang's MIMO kernels take these parameters in FP32 only: a layer cast to BF16 passes FP32 copies
+            # (`.float()` is the parameter itself in an FP32 layer)
+            f32 = {"Q_bias": self.C_bias, "K_bias": self.B_bias, "D": self.D, "MIMO_V": self.mimo_x,
+                   "MIMO_Z": self.mimo_z, "MIMO_Out": self.mimo_o}
+            out = mimo(Q=p["q"], K=p["k"], **{**common, **{k: v.float() for k, v in f32.items()}},
+                       rotary_dim_divisor=self.rotary_dim_divisor, dtype=p["x"].dtype, return_state=use_cache)
             return (out[0], tuple(out[1:5])) if use_cache else (out, None)
         states = None if state is None else (state[0], state[1], state[2][:, 0].contiguous(), state[3])
         out = siso(Q=p["q"][:, :, 0], K=p["k"][:, :, 0], Q_bias=self.C_bias[:, 0], K_bias=self.B_bias[:, 0],
