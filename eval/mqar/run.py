@@ -30,7 +30,7 @@ import torch
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
 from eval.mqar.train import Budget, JobRun, MixerChoice, architecture, train_together
-from eval.results import git_commit
+from eval.results import ROOT, git_commit
 from trainer.checkpoint import write_json_atomic
 
 SCHEMA = 2
@@ -193,10 +193,9 @@ def measured_costs(out: Path, budget: Budget, device: str, more: tuple[Path, ...
 def time_folders(cfg: MQARConfig) -> tuple[Path, ...]:
     """``cfg.times`` as folders that exist: a relative path from the current directory, else from the repository
     root (where the shipped H200 times are)."""
-    root = Path(__file__).resolve().parents[2]
     found = []
     for name in cfg.times:
-        for path in (Path(name), root / name):
+        for path in (Path(name), ROOT / name):
             if (path / "jobs").is_dir():
                 found.append(path)
                 break
