@@ -478,6 +478,24 @@ def test_jobs_stepped_in_turn_equal_jobs_run_alone(one_thread) -> None:
     assert alone[0]["final_loss"] != alone[1]["final_loss"]
 
 
+def test_a_train_curve_leaves_the_scored_only_settings_to_the_last_epoch(one_thread) -> None:
+    """``curve="train"`` scores the epochs before the last on the training settings alone, and changes nothing a
+    job trains or reports."""
+    cfg, _ = parse_overrides(["preset=cpu", "settings=32x4", "test_settings=48x4", "vocab_size=64", "head_dim=32",
+                              "train_examples=128", "valid_examples=32", "test_examples=32", "batch_tokens=512",
+                              "epochs=3"])
+    assert cfg.curve == "train"
+    args = (MixerChoice.parse("kda"), 64, 3e-3, 0, cfg.budget(), cfg.scored_settings(), torch.device("cpu"))
+    every, train = train_job(*args, curve="all"), train_job(*args, curve="train")
+    assert [set(c["valid"]) for c in every["curve"]] == [{"32x4", "48x4"}] * 3
+    assert [set(c["valid"]) for c in train["curve"]] == [{"32x4"}, {"32x4"}, {"32x4", "48x4"}]
+    keys = ("records", "final_loss", "steps", "params")
+    assert {k: every[k] for k in keys} == {k: train[k] for k in keys}
+    assert [c["valid"]["32x4"] for c in every["curve"]] == [c["valid"]["32x4"] for c in train["curve"]]
+    with pytest.raises(ValueError, match="curve='some' is not one of"):
+        parse_overrides(["preset=cpu", "curve=some"])
+
+
 def test_a_job_stopped_after_an_epoch_resumes_from_its_checkpoint(tmp_path, one_thread) -> None:
     """A job abandoned mid-epoch restarts from the state it wrote after its last finished epoch and ends exactly as
     the uninterrupted job (curve, loss, accuracies, parameters); a checkpoint of another job is ignored."""

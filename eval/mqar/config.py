@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import Budget, MixerChoice
+from eval.mqar.train import CURVES, Budget, MixerChoice
 
 ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", "gdn", "deltanet", "gdn2",
               "mamba3_siso", "mamba3_mimo", "attn")
@@ -39,7 +39,9 @@ class MQARConfig:
     training up to ``streams`` jobs of one ``(mixer, width)`` side by side on their own CUDA streams (0: 3 on CUDA,
     1 on the CPU), their steps replayed from CUDA graphs when ``graphs``; the longest jobs start first, by the wall
     times of the jobs stored under ``out`` and, for the cells it lacks, under the folders ``times`` on the same
-    device (``times=`` for none: :func:`eval.mqar.run.measured_costs`). ``train=false`` trains nothing and
+    device (``times=`` for none: :func:`eval.mqar.run.measured_costs`). ``curve``: what the epochs before the last
+    are scored on, the training mixture's settings (``train``) or every scored one (``all``); the last epoch is
+    always scored on all of them. ``train=false`` trains nothing and
     reports the jobs already stored under ``out`` (a grid cut short: the rest are listed as missing).
     """
 
@@ -69,6 +71,7 @@ class MQARConfig:
     workers: int = 0
     streams: int = 0
     graphs: bool = True
+    curve: str = "train"
     train: bool = True
     threads: int = 1
     times: list[str] = field(default_factory=lambda: [H200_TIMES])
@@ -153,6 +156,8 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; use one of {['auto', *PRESETS]}")
     cfg = MQARConfig(**{**PRESETS[preset], **explicit, "preset": preset})
+    if cfg.curve not in CURVES:
+        raise ValueError(f"curve={cfg.curve!r} is not one of {list(CURVES)}")
     cfg.budget()  # validates the settings, the budget and the mixers now, not after the first job
     cfg.scored_settings()
     cfg.mixer_choices()

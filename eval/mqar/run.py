@@ -111,7 +111,7 @@ def partial_path(out: str | Path, job: Job) -> Path:
     return Path(out) / "partial" / f"{job.name}.pt"
 
 
-def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[dict[str, Any]]:
+def _run_group(args: tuple[list[Job], str, str, int, str | None, bool, str]) -> list[dict[str, Any]]:
     """In a pool process: train ``jobs`` together on ``device`` (:func:`train_together`), store each result and
     return them; a job that raises returns ``{"job": name, "error": ...}`` and stores nothing (a rerun tries it
     again). An error outside any one job (a CUDA fault surfacing in the clean-up) fails the group's jobs not
@@ -125,7 +125,7 @@ def _run_group(args: tuple[list[Job], str, str, int, str | None, bool]) -> list[
 
 
 def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: str | None,
-                 graphs: bool) -> list[dict[str, Any]]:
+                 graphs: bool, curve: str) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
 
     def progress(job: Job) -> Callable[[dict[str, Any]], None]:
@@ -141,7 +141,7 @@ def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: s
             identity = job.identity()  # builds the model on the meta device: once per job
             runs.append((job, identity, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget,
                                                list(job.settings), torch.device(device), progress(job), graphs,
-                                               partial_path(out, job), identity)))
+                                               partial_path(out, job), identity, curve)))
         except Exception as err:  # noqa: BLE001 - one broken mixer must not take the other jobs down with it
             failed.append({"job": job.name, "error": f"{type(err).__name__}: {err}"})
     results = []
@@ -269,7 +269,7 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
         f"x {streams} stream(s){', CUDA graphs' if cfg.graphs and device.type == 'cuda' else ''}; each trains "
         f"{budget.epochs} x {budget.steps_per_epoch()} steps, {budget.tokens() / 1e6:.1f}M tokens; {order}")
     commit = git_commit()
-    args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs) for group in tasks]
+    args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs, cfg.curve) for group in tasks]
     t0, stored_before, stopped = time.perf_counter(), len(results), None
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     # one process per group: a CUDA fault is sticky in its process, so it fails that group alone, and a finished

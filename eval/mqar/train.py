@@ -35,6 +35,8 @@ STRING_KWARGS = ("mu", "noise", "alpha_param", "memory", "backend")
 """Mixer options kept as strings when parsed from ``name/key=value`` (``mu=1`` is the choice ``"1"``)."""
 CHECK_EVERY = 50
 """Steps between checks that the loss is finite (a divergence stops the job within this many steps)."""
+CURVES = ("train", "all")
+"""What an epoch before the last is scored on: the training mixture's settings, or every scored one."""
 
 
 @dataclass(frozen=True)
@@ -179,13 +181,16 @@ class JobRun:
     epoch orders depend only on ``(seed, epoch)``, so on the CPU a resumed job ends exactly as an uninterrupted one.
 
     Args: as :func:`train_job`, and ``checkpoint`` (a file path, or ``None``: no checkpoints), ``identity`` (a
-    JSON-able description of the job; a checkpoint of another identity is ignored and overwritten).
+    JSON-able description of the job; a checkpoint of another identity is ignored and overwritten), ``curve``
+    (:data:`CURVES`).
     """
 
     def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
                  settings: list[MQARSetting], device: torch.device,
                  progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
-                 checkpoint: Path | None = None, identity: dict[str, Any] | None = None) -> None:
+                 checkpoint: Path | None = None, identity: dict[str, Any] | None = None, curve: str = "all") -> None:
+        if curve not in CURVES:
+            raise ValueError(f"curve={curve!r} is not one of {list(CURVES)}")
         self.t0 = time.perf_counter()
         self.choice, self.width, self.lr, self.seed, self.budget = choice, width, lr, seed, budget
         self.device, self.progress = device, progress
@@ -200,6 +205,11 @@ class JobRun:
                 self.model.load_state_dict(saved["model"])
             self.train = [MQARSplit(s, "train", n, budget.batch_size(s), seed=seed) for s, n in budget.mixture()]
             self.valid = [MQARSplit(s, "valid", budget.valid_examples, budget.batch_size(s)) for s in settings]
+            # the last epoch's validation, which picks the learning rate, covers every scored setting; with
+            # curve="train" the earlier ones cover the training mixture's only: the scored-only settings are the
+            # longest (three quarters of the default validation tokens), and a curve point changes no training
+            trained = {s.name for s, _ in budget.mixture()}
+            self.curve_valid = [v for v in self.valid if curve == "all" or v.setting.name in trained]
             for split in (*self.train, *self.valid):
                 split.tensors(device)
             self.total = budget.epochs * budget.steps_per_epoch()
@@ -268,8 +278,10 @@ class JobRun:
                 if self.diverged:
                     break
                 yield
+            last = epoch + 1 == self.budget.epochs or self.diverged
             with self.on_stream():
-                valid = {v.setting.name: accuracy(self.model, v, self.device) for v in self.valid}
+                valid = {v.setting.name: accuracy(self.model, v, self.device)
+                         for v in (self.valid if last else self.curve_valid)}
                 self.curve.append({"epoch": epoch + 1, "step": self.steps_done, "s": round(self.elapsed(), 2),
                                    "loss": self.final_loss, "valid": valid})
                 if self.checkpoint is not None and not self.diverged and epoch + 1 < self.budget.epochs:
@@ -327,15 +339,18 @@ def train_together(runs: list[JobRun]) -> list[dict[str, Any] | BaseException]:
 
 def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
               settings: list[MQARSetting], device: torch.device,
-              progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> dict[str, Any]:
+              progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
+              curve: str = "all") -> dict[str, Any]:
     """Train one model on ``budget``'s mixture and score it on each of ``settings``; ``progress`` is called with
-    each point of the curve as it is measured; ``graphs``: replay the steps from CUDA graphs on CUDA.
+    each point of the curve as it is measured; ``graphs``: replay the steps from CUDA graphs on CUDA; ``curve``:
+    ``"train"`` scores the epochs before the last on the training mixture's settings only (:data:`CURVES`).
 
     Returns a JSON-able record: ``records`` (one per setting: validation and test accuracy, state size), ``curve``
     (validation accuracy per setting after every epoch), the mean loss of the last steps, steps, parameters,
     whether CUDA graphs ran the steps (``cuda_graphs``; ``graph_fallback``: why not, when a capture failed), wall
     time, and ``diverged`` (a non-finite loss or gradient stops training; the model is scored as it stands)."""
-    result = train_together([JobRun(choice, width, lr, seed, budget, settings, device, progress, graphs)])[0]
+    result = train_together([JobRun(choice, width, lr, seed, budget, settings, device, progress, graphs,
+                                    curve=curve)])[0]
     if isinstance(result, BaseException):
         raise result
     return result
