@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import CURVES, Budget, MixerChoice
+from eval.mqar.train import Budget, MixerChoice, check_curve
 
 ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", "gdn", "deltanet", "gdn2",
               "mamba3_siso", "mamba3_mimo", "attn")
@@ -156,8 +156,7 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; use one of {['auto', *PRESETS]}")
     cfg = MQARConfig(**{**PRESETS[preset], **explicit, "preset": preset})
-    if cfg.curve not in CURVES:
-        raise ValueError(f"curve={cfg.curve!r} is not one of {list(CURVES)}")
+    check_curve(cfg.curve)
     cfg.budget()  # validates the settings, the budget and the mixers now, not after the first job
     cfg.scored_settings()
     cfg.mixer_choices()

@@ -39,6 +39,12 @@ CURVES = ("train", "all")
 """What an epoch before the last is scored on: the training mixture's settings, or every scored one."""
 
 
+def check_curve(curve: str) -> None:
+    """Raise on a ``curve`` that is not one of :data:`CURVES`."""
+    if curve not in CURVES:
+        raise ValueError(f"curve={curve!r} is not one of {list(CURVES)}")
+
+
 @dataclass(frozen=True)
 class MixerChoice:
     """A registry mixer and its options, written ``name`` or ``name/key=value/...`` (e.g. ``kdn_diag/mu=4dk``)."""
@@ -189,8 +195,7 @@ class JobRun:
                  settings: list[MQARSetting], device: torch.device,
                  progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
                  checkpoint: Path | None = None, identity: dict[str, Any] | None = None, curve: str = "all") -> None:
-        if curve not in CURVES:
-            raise ValueError(f"curve={curve!r} is not one of {list(CURVES)}")
+        check_curve(curve)
         self.t0 = time.perf_counter()
         self.choice, self.width, self.lr, self.seed, self.budget = choice, width, lr, seed, budget
         self.device, self.progress = device, progress
