@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from eval.generation import greedy_generate
 from eval.model_dir import check_context
-from eval.results import sha256_text
+from eval.results import load_previous, sha256_text
+from eval.ruler.haystack import Haystack
 from eval.suites import Context, run_cells
 
 
@@ -35,28 +36,49 @@ def ruler_cells(tasks: list[str], lengths: list[int]) -> list[tuple[str, int]]:
     return cells
 
 
+def load_ruler_haystack(cfg: Any) -> Haystack:
+    """The essay haystack ``ruler.haystack`` names; called before any model is loaded, so that essays that cannot
+    be reached stop the run with one line naming the fixes (a local file, or ``ruler.haystack=kjv``)."""
+    from eval import ruler
+
+    try:
+        return ruler.load_haystack(cfg.haystack)
+    except ValueError as e:
+        raise type(e)(f"ruler.haystack={cfg.haystack}: {e}") from None
+
+
 def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
     """Run the selected cells (``ruler.tasks`` x ``ruler.lengths``, ``ruler.samples_per_cell`` each); a cell is
-    written as soon as it finishes."""
+    written as soon as it finishes.
+
+    The settings record ``haystack`` (``{"name", "source", "sha256", "paper"}``), ``lengths`` (the cells' token
+    budgets: prompt + ``max_new_tokens`` <= length) and ``max_new_tokens``; lm-eval's ``max_length`` plays no part.
+    """
     from eval import ruler
 
     cells = ruler_cells(list(cfg.tasks), [int(n) for n in cfg.lengths])
     for task, length in cells:
         check_context(length, ctx.attention_limit, f"RULER cell {ruler.cell_name(task, length)}")
-    haystack = ruler.load_haystack(cfg.haystack)
+    haystack = load_ruler_haystack(cfg)
     tok = ctx.hf_tokenizer
     eos = tok.eos_token_id if tok.eos_token_id is not None else ctx.model.config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     n = int(cfg.samples_per_cell)
     by_name = {ruler.cell_name(t, length): (t, length) for t, length in cells}
-    bar = tqdm(total=0, desc="ruler", unit="sample", disable=not ctx.progress, dynamic_ncols=True)
+    settings = {"lengths": sorted({length for _, length in cells}), "samples_per_cell": n, "seed": int(cfg.seed),
+                "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
+                "haystack": haystack.describe(), "max_new_tokens": int(cfg.max_new_tokens),
+                "batch_size": ctx.batch_size, "dtype": ctx.dtype, "tasks": {t: 1.0 for t in cfg.tasks},
+                "cells": list(by_name)}
+    done = load_previous(ctx.target.out_dir / "ruler.json", settings, ctx.overwrite)
+    todo = [name for name in by_name if name not in done]
+    bar = tqdm(total=n * len(todo), desc="ruler", unit="sample", disable=not ctx.progress, dynamic_ncols=True)
 
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task, length = by_name[name]
         samples = ruler.build_samples(task, length, n, tokenizer=ctx.tokenizer, haystack=haystack,
                                       seed=int(cfg.seed), max_new_tokens=int(cfg.max_new_tokens))
         prompts = [tok(s["prompt"])["input_ids"] for s in samples]
-        bar.total += len(prompts)
         bar.set_postfix_str(name)
         gens = greedy_generate(ctx.model, prompts, max_new_tokens=int(cfg.max_new_tokens), stop_ids={eos},
                                pad_id=pad, batch_size=ctx.batch_size, on_batch=bar.update)
@@ -72,11 +94,6 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
         scores = [r["score"] for r in res.values()]
         return {"mean": sum(scores) / len(scores), "cells": len(scores)} if scores else {"cells": 0}
 
-    settings = {"max_length": ctx.max_length, "samples_per_cell": n, "seed": int(cfg.seed),
-                "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
-                "haystack": {"source": haystack.source, "sha256": haystack.sha256},
-                "max_new_tokens": int(cfg.max_new_tokens), "batch_size": ctx.batch_size, "dtype": ctx.dtype,
-                "tasks": {t: 1.0 for t in cfg.tasks}, "cells": list(by_name)}
     try:
         return run_cells(ctx, "ruler", settings, list(by_name), run_cell, summarize, bar=False)
     finally:

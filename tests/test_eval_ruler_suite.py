@@ -1,20 +1,44 @@
 """The RULER runner (Table 2) end to end: a model that emits the queried value scores 100, one that emits nothing
-scores 0; cells are written as they finish and a rerun continues after a crash."""
+scores 0; cells are written as they finish and a rerun continues after a crash; the results name their haystack;
+the paper preset stops before loading a model when the essays cannot be reached."""
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
+import datasets
 import pytest
 from eval_fixtures import export_toy_run, oracle_from
 
 import eval.ruler_suite
 import evaluate
 from data import load_tokenizer
+from eval.ruler import load_haystack
 
 TOK = load_tokenizer("mistral-v1")
 CELLS = ["niah_single_1@1024", "niah_multikey_1@1024"]
+FIXES = ("ruler.haystack=/path/PaulGrahamEssays.json", "ruler.haystack=kjv")
+
+
+class Bar:
+    """Stands in for tqdm: keeps the total it was created with and what was counted."""
+
+    def __init__(self, bars: list[Bar], total: int, **_: Any) -> None:
+        self.total = self.created_with = total
+        self.n = 0
+        bars.append(self)
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def set_postfix_str(self, _: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +58,32 @@ def _use_oracle(monkeypatch: pytest.MonkeyPatch, answer: object) -> None:
         oracle_from(p, answer), real(p, device=device, dtype=dtype)[1]))
 
 
-def _args(run_dir: Path, out: Path, *extra: str) -> list[str]:
+def _args(run_dir: Path, out: Path, *extra: str, haystack: str = "kjv") -> list[str]:
     return [f"model={run_dir}", "suites=[ruler]", f"out_dir={out}", "ruler.samples_per_cell=3",
-            "ruler.tasks=[niah_single_1,niah_multikey_1]", "ruler.lengths=[1024]", "batch_size=2",
-            "progress=false", "ruler.max_new_tokens=16", *extra]
+            f"ruler.haystack={haystack}", "ruler.tasks=[niah_single_1,niah_multikey_1]", "ruler.lengths=[1024]",
+            "batch_size=2", "progress=false", "ruler.max_new_tokens=16", *extra]
 
 
 @pytest.mark.parametrize("right", [True, False])
 def test_right_answers_score_100_and_silence_scores_0(right: bool, run_dir: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On RULER's essays file (the paper's haystack) and on the KJV, named as such in the results."""
     _use_oracle(monkeypatch, (lambda ids: TOK.encode(" " + queried_value(ids) + ".")) if right else (lambda ids: []))
-    out = evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "log_samples=true")))
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(json.dumps({"text": "\n\n".join(
+        " ".join(f"Essay {e} sentence {i} says a few plain words." for i in range(150)) for e in range(5))}))
+    haystack = str(essays) if right else "kjv"
+    out = evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "log_samples=true", haystack=haystack)))
     rep = json.loads((tmp_path / "ruler.json").read_text())
     assert rep == out["reports"]["ruler"] and list(rep["results"]) == CELLS
     assert {r["score"] for r in rep["results"].values()} == {100.0 if right else 0.0}
     assert rep["summary"] == {"mean": 100.0 if right else 0.0, "cells": 2}
     s = rep["settings"]
-    assert s["samples_per_cell"] == 3 and s["max_new_tokens"] == 16 and s["haystack"]["sha256"]
-    assert s["tokenizer_sha256"] == load_tokenizer(str(run_dir / "hf")).fingerprint and s["max_length"] == 4096
+    assert s["samples_per_cell"] == 3 and s["max_new_tokens"] == 16
+    assert s["haystack"] == load_haystack(haystack).describe()
+    assert (s["haystack"]["name"], s["haystack"]["paper"]) == (("essays", True) if right else ("kjv", False))
+    assert s["lengths"] == [1024] and "max_length" not in s  # the cells' budgets, not lm-eval's context
+    assert s["tokenizer_sha256"] == load_tokenizer(str(run_dir / "hf")).fingerprint
     m = rep["model"]
     assert m["mixer"] == "kdn_diag" and m["tokens_trained"] == 40960 and m["seed"] == 3 and m["parameters"] > 0
     assert rep["versions"]["torch"] and rep["schema"] == 1
@@ -73,11 +105,15 @@ def test_a_crash_keeps_finished_cells_and_a_rerun_continues(run_dir: Path, tmp_p
         return real(*a, **k)
 
     monkeypatch.setattr(eval.ruler_suite, "greedy_generate", flaky)
+    bars: list[Bar] = []
+    monkeypatch.setattr(eval.ruler_suite, "tqdm", lambda **kw: Bar(bars, **kw))
     with pytest.raises(RuntimeError, match="device lost"):
         evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
     assert list(json.loads((tmp_path / "ruler.json").read_text())["results"]) == CELLS[:1]
     evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
     assert len(calls) == 3  # cell 1 was not run again
+    # the bar's total is the samples still to run, from the start: both cells, then the one left
+    assert [(b.created_with, b.total, b.n) for b in bars] == [(6, 6, 3), (3, 3, 3)]
     assert list(json.loads((tmp_path / "ruler.json").read_text())["results"]) == CELLS
     evaluate.run(evaluate.compose(_args(run_dir, tmp_path)))
     assert len(calls) == 3  # a finished suite is skipped
@@ -97,3 +133,28 @@ def test_bad_cells_and_contexts_are_refused(run_dir: Path, tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"RULER cell niah_single_1@2048 needs 2048 tokens but this full-attention "
                                          r"model was trained on 1024"):
         evaluate.run(evaluate.compose(_args(attn, tmp_path, "ruler.lengths=[1024,2048]")))
+
+
+def test_paper_preset_without_the_essays_stops_before_a_model_loads(run_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    def offline(name: str, split: str) -> None:
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    def no_model(*a: object, **k: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(evaluate, "load_model", no_model)
+    assert evaluate.compose(["model=x"]).ruler.haystack == "essays"  # the default preset is the paper's
+    assert evaluate.compose(["model=x", "preset=quick"]).ruler.haystack == "kjv"
+    argv = [f"model={run_dir}", "suites=[lm,ruler]", f"out_dir={tmp_path}", "preset=paper"]
+    with pytest.raises(ValueError, match="ruler.haystack=essays") as err:
+        evaluate.run(evaluate.compose(argv))
+    assert all(fix in str(err.value) for fix in FIXES) and "\n" not in str(err.value)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", *argv])
+    with pytest.raises(SystemExit) as done:
+        evaluate.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(lines) == 1 and all(fix in lines[0] for fix in FIXES), lines
+    assert not (tmp_path / "ruler.json").exists()

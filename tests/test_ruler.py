@@ -1,7 +1,8 @@
-"""Modified RULER generator and scorer: prompts, determinism, needle depths, length fit, windows, bad input."""
+"""Modified RULER generator and scorer: prompts, determinism, needle depths, length fit, windows, noise lines,
+bad input."""
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
 import re
 import subprocess
@@ -83,7 +84,8 @@ def test_prompt_needles_and_depth(task, tok, kjv):
         kind = _kind(task)
         context = _context(s)
         assert len(s["keys"]) == spec.keys == len(set(s["keys"])) == len(s["values"]) == len(s["depths"])
-        assert len(set(s["depths"])) == spec.keys and set(s["depths"]) <= set(ruler_samples.DEPTHS)
+        assert len(set(s["depths"])) == spec.keys
+        assert spec.haystack == "noise" or set(s["depths"]) <= set(ruler_samples.DEPTHS)
         assert s["query"] in s["keys"]
         q = s["keys"].index(s["query"])
         assert s["answers"] == [s["values"][q]] and s["depth"] == s["depths"][q]
@@ -101,7 +103,7 @@ def test_prompt_needles_and_depth(task, tok, kjv):
         needles = {_needle(kind, k, v) for k, v in zip(s["keys"], s["values"])}
         if spec.haystack == "noise":
             hay_text = [p for p in pieces if p not in needles]
-            assert all(NOISE_LINE.startswith(p) for p in hay_text)
+            assert all(p == NOISE_LINE for p in hay_text)
             words = " ".join(hay_text).split()
         else:
             text = context
@@ -109,36 +111,50 @@ def test_prompt_needles_and_depth(task, tok, kjv):
                 text = text.replace(nd, "\0")
             words = [w for w in text.split() if w != "\0"]
         w0, n = s["window_start"], s["haystack_words"]
-        assert n % 25 == 0 and words == list(hay.words[w0:w0 + n])
+        assert n % (25 if spec.haystack == "essay" else len(NOISE_LINE.split())) == 0
+        assert words == list(hay.words[w0:w0 + n])
+        before = context[:context.index(_needle(kind, s["query"], s["answers"][0]))]
+        for nd in needles:
+            before = before.replace(nd, "")
+        assert len(before.split()) == s["offsets"][q]
+        if spec.haystack == "noise":  # before a whole line, never after the last; depth = the line's share
+            lines = n // len(NOISE_LINE.split())
+            line, rest = divmod(s["offsets"][q], len(NOISE_LINE.split()))
+            assert rest == 0 and 0 <= line < lines and s["depth"] == 100 * line // lines
+            continue
         # the queried needle sits before sentence floor(S * depth / 100) of the window
         starts = [int(i) - w0 for i in hay.sentence_starts if w0 <= i < w0 + n]
         assert starts[0] == 0
         bounds = starts + [n]
         expect = bounds[(len(bounds) - 1) * s["depth"] // 100]
-        before = context[:context.index(_needle(kind, s["query"], s["answers"][0]))]
-        for nd in needles:
-            before = before.replace(nd, "")
-        assert len(before.split()) == expect
+        assert s["offsets"][q] == expect
         assert expect == n or (w0 + expect) in set(int(i) for i in hay.sentence_starts)
 
 
 @pytest.mark.parametrize("task,length", [("niah_single_1", 512), ("niah_single_2", 1024),
                                          ("niah_single_3", 768), ("niah_multikey_1", 1024)])
 def test_fit_is_tight(task, length, tok, kjv):
-    """prompt + 128 tokens fits the budget; 25 more haystack words would not (exact token counts)."""
+    """prompt + 128 tokens fits the budget; one more step (25 essay words, one noise line) would not."""
     spec = ruler_samples.SPECS[task]
     hay = noise_haystack(length) if spec.haystack == "noise" else kjv
+    step = 25 if spec.haystack == "essay" else len(NOISE_LINE.split())
     template = ruler_samples.prompt_template(task)
     for s in build_samples(task, length, 4, tokenizer=tok, haystack=kjv):
         assert s["prompt_tokens"] == len(tok.encode(s["prompt"]))
         assert s["prompt_tokens"] + 128 <= length
-        needles = [(d, _needle(_kind(task), k, v)) for d, k, v in zip(s["depths"], s["keys"], s["values"])]
-        more = template.format(
-            context=ruler_samples._render(hay, s["window_start"], s["haystack_words"] + 25, needles),
-            query=s["query"])
+        texts = [_needle(_kind(task), k, v) for k, v in zip(s["keys"], s["values"])]
+        needles = sorted(zip(s["offsets"], s["depths"], texts))
+        if spec.haystack == "essay":  # the needles' sentences in the longer window
+            wider = ruler_samples._depth_offsets(hay, s["window_start"], s["haystack_words"] + step, s["depths"])
+            more_needles = sorted(zip(wider, s["depths"], texts))
+        else:  # the same line: the noise lines all tokenize alike
+            more_needles = needles
+        more = template.format(context=ruler_samples._render(hay, s["window_start"], s["haystack_words"] + step,
+                                                             [(a, t) for a, _, t in more_needles]),
+                               query=s["query"])
         assert len(tok.encode(more)) + 128 > length
-        same = template.format(
-            context=ruler_samples._render(hay, s["window_start"], s["haystack_words"], needles), query=s["query"])
+        same = template.format(context=ruler_samples._render(hay, s["window_start"], s["haystack_words"],
+                                                             [(a, t) for a, _, t in needles]), query=s["query"])
         assert same == s["prompt"]
 
 
@@ -175,25 +191,24 @@ def test_windows_differ_between_samples(tok, kjv):
     assert all(s["window_start"] == 0 for s in noise)
 
 
-def test_haystack_files(tmp_path, tok):
-    text = " ".join(f"Sentence number {i} has a few words in it." for i in range(400))
-    js = tmp_path / "essays.json"
-    js.write_text(json.dumps({"text": text}))
-    txt = tmp_path / "essays.txt"
-    txt.write_text(text)
-    a, b = load_haystack(str(js)), load_haystack(str(txt))
-    assert a.words == b.words == tuple(text.split())
-    assert a.sha256 == hashlib.sha256(js.read_bytes()).hexdigest() != b.sha256
-    assert len(a.sentence_starts) == 400 and a.describe()["words"] == len(a)
-    s = build_samples("niah_single_2", 512, 2, tokenizer=tok, haystack=a)
-    assert s[0]["prompt_tokens"] + 128 <= 512
-    kjv = load_haystack(None)
-    assert "King James" in kjv.source and len(kjv.sha256) == 64 and len(kjv) > 700_000
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"body": text}))
-    for path, msg in ((bad, 'no string under "text"'), (tmp_path / "missing.txt", "does not exist")):
-        with pytest.raises(ValueError, match=msg):
-            load_haystack(str(path))
+def test_noise_haystack_is_whole_lines_with_the_needle_before_one(tok):
+    """S-NIAH-1's context: whole noise lines, ending on one; the needle line is followed by at least one line."""
+    for length in (512, 2048):
+        for s in build_samples("niah_single_1", length, 12, tokenizer=tok, haystack=None, seed=1):
+            lines = _context(s).split("\n")
+            i = lines.index(_needle("number", s["query"], s["answers"][0]))
+            assert lines[:i] + lines[i + 1:] == [NOISE_LINE] * (s["haystack_words"] // len(NOISE_LINE.split()))
+            assert i < len(lines) - 1 and lines[-1] == NOISE_LINE
+    # u in [0, 1) maps onto lines 0 .. n-1: the first line and the last, never past it
+    assert ruler_samples._line_offsets([0.0, 0.5, 1 - 1e-12], 7, 19) == [0, 3 * 19, 6 * 19]
+
+
+def test_tasks_at_one_length_draw_different_samples(tok, kjv):
+    """The task is part of a sample's seed: two tasks at one length share no key and no value."""
+    by_task = {t: build_samples(t, 1024, 4, tokenizer=tok, haystack=kjv) for t in TASKS}
+    for a, b in itertools.combinations(TASKS, 2):
+        for x, y in zip(by_task[a], by_task[b]):
+            assert not set(x["keys"]) & set(y["keys"]) and not set(x["values"]) & set(y["values"]), (a, b)
 
 
 def test_bad_input_one_line_errors(tmp_path, tok, kjv):

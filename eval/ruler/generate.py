@@ -1,10 +1,12 @@
 """Write one RULER cell's samples as JSON lines.
 
     python -m eval.ruler.generate task=niah_single_2 length=4096 n=20 out=FILE.jsonl \
-        [seed=0] [start=0] [haystack=PATH] [tokenizer=mistral-v1] [max_new_tokens=128]
+        [seed=0] [start=0] [haystack=kjv|essays|PATH] [tokenizer=mistral-v1] [max_new_tokens=128]
 
-One line per sample with the fields of `build_samples` (task, length, index, prompt, answers, depth,
-haystack_words, prompt_tokens, ...). The file is written to a temporary name and renamed when complete.
+`haystack` takes what `ruler.haystack` takes (`eval.ruler.haystack.load_haystack`); the paper's is `essays` or
+RULER's `PaulGrahamEssays.json`. One line per sample with the fields of `build_samples` (task, length, index,
+prompt, answers, depth, haystack_words, prompt_tokens, ...). The file is written to a temporary name and renamed
+when complete.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from eval.ruler.haystack import load_haystack
 from eval.ruler.samples import MAX_NEW_TOKENS, build_samples, cell_name, check_task
 
 _REQUIRED = ("task", "length", "n", "out")
-_DEFAULTS = {"seed": "0", "start": "0", "haystack": None, "tokenizer": "mistral-v1",
+_DEFAULTS = {"seed": "0", "start": "0", "haystack": "kjv", "tokenizer": "mistral-v1",
              "max_new_tokens": str(MAX_NEW_TOKENS)}
 _INTS = ("length", "n", "seed", "start", "max_new_tokens")
 

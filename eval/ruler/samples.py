@@ -1,12 +1,17 @@
 """The modified RULER needle tasks (docs/protocol.md §9): task definitions, prompts, and the sample builder.
 
 The tasks, needle, prompt template, answer prefix and depths are NVIDIA/RULER's (`scripts/synthetic.yaml`,
-`scripts/data/synthetic/niah.py`, base-model template, no chat wrapper). Two changes, as in the paper:
+`scripts/data/synthetic/niah.py`, base-model template, no chat wrapper). Two changes to the essay tasks, as in
+the paper:
 
-- the haystack grows in 25-word increments (RULER: 500 for essays) up to the largest size whose prompt plus
-  `max_new_tokens` fits the cell's token budget, found with exact token counts;
+- the essay haystack grows in 25-word steps up to the largest size whose prompt plus `max_new_tokens` fits the
+  cell's token budget, found with exact token counts. RULER's current code binary-searches the size one word at a
+  time; its earlier code grew essays in 500-word steps, as lm-eval's port still does;
 - the essay haystack is a window of the corpus that starts at a random sentence, different per sample
   (RULER: always the corpus's first words).
+
+S-NIAH-1's noise haystack is RULER's: whole lines of `NOISE_LINE` joined by newlines, as many as fit (one more
+line would not), and the needle goes before a line drawn uniformly from them, never after the last one.
 
 Every sample draws from its own generator, `np.random.default_rng([seed, task_id, length, index])`, so a sample
 is the same whatever the call order, the slice (`start`, `n`) and the other cells requested.
@@ -32,7 +37,7 @@ GRID: dict[str, tuple[int, ...]] = {
     "niah_single_3": (1024, 2048, 4096),
     "niah_multikey_1": (1024, 2048, 4096),
 }
-INCREMENT = 25  # haystack words added per step of the length fit
+INCREMENT = 25  # essay haystack words added per step of the length fit (the noise haystack grows by lines)
 MAX_NEW_TOKENS = 128
 # RULER's needle depths: 40 evenly spaced percentages
 DEPTHS: tuple[int, ...] = tuple(int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True)))
@@ -114,8 +119,8 @@ def _value(rng: np.random.Generator, kind: str) -> str:
     return str(uuid.UUID(int=int.from_bytes(rng.bytes(16), "big"), version=4))
 
 
-def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, str]]) -> str:
-    """The context: `n_words` haystack words from `start`, each `(depth, needle)` at its sentence boundary.
+def _depth_offsets(hay: Haystack, start: int, n_words: int, depths: list[int]) -> list[int]:
+    """Word offsets in the window (`n_words` words from `start`) of needles at `depths` percent.
 
     A window of S sentences (a partial first or last one counts) has boundaries b_0 = 0 < ... < b_S = n_words;
     a needle at depth d goes before sentence floor(S * d / 100), as in RULER.
@@ -127,10 +132,23 @@ def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, st
         rel.insert(0, 0)
     bounds = rel + [n_words]
     n_sent = len(bounds) - 1
-    placed = sorted((bounds[n_sent * d // 100], d, text) for d, text in needles)
+    return [bounds[n_sent * d // 100] for d in depths]
+
+
+def _line_offsets(fractions: list[float], lines: int, line_words: int) -> list[int]:
+    """Word offsets of needles that go before line floor(u * lines) of the noise text, one per u in [0, 1).
+
+    For uniform u this is a uniform draw from range(lines), as RULER draws a needle's line: never after the last.
+    """
+    return [line_words * int(u * lines) for u in fractions]
+
+
+def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, str]]) -> str:
+    """The context: `n_words` haystack words from `start`, each `(offset, needle)` before window word `offset`
+    (needles at one offset keep their order in `needles`)."""
     parts: list[str] = []
     prev = 0
-    for offset, _, text in placed:
+    for offset, text in sorted(needles, key=lambda x: x[0]):
         if offset > prev:
             parts.append(_segment(hay, start + prev, start + offset))
         parts.append(text)
@@ -204,8 +222,9 @@ def build_samples(task: str, length: int, n: int, *, tokenizer, haystack: Haysta
 
     Returns:
         One dict per sample: task, length, index, seed, prompt (ending with the answer prefix), answers
-        (list[str]), depth (percent, of the queried needle), haystack_words, prompt_tokens, keys, values,
-        depths (one per needle), query (the queried key), window_start (first haystack word).
+        (list[str]), depth (percent, of the queried needle; for the noise text, its line's share of the lines),
+        haystack_words, prompt_tokens, keys, values, depths (one per needle), query (the queried key),
+        window_start (first haystack word), offsets (per needle, the haystack words before it in the window).
     """
     spec = check_task(task)
     _check_int("length", length, 1)
@@ -248,29 +267,45 @@ def _sample(task: str, task_id: int, spec: TaskSpec, hay: Haystack, length: int,
         value = _value(rng, spec.value)
         if value not in values:
             values.append(value)
-    depths = [DEPTHS[int(i)] for i in rng.choice(len(DEPTHS), size=spec.keys, replace=False)]
+    if hay.line_words is None:
+        depths = [DEPTHS[int(i)] for i in rng.choice(len(DEPTHS), size=spec.keys, replace=False)]
+    else:  # each needle's u in [0, 1) picks its line once the number of lines is known
+        fractions = [float(u) for u in rng.random(spec.keys)]
     q = int(rng.integers(spec.keys))
-    needles = [(d, NEEDLE.format(type_needle_v=spec.value, key=k, value=v)) for d, k, v in zip(depths, keys, values)]
+    texts = [NEEDLE.format(type_needle_v=spec.value, key=k, value=v) for k, v in zip(keys, values)]
 
-    # the window may hold up to `length` words: each word is at least one token, so that is more than fits
-    k_max = min(length, len(hay)) // INCREMENT
+    # essays grow by words, the noise text by whole lines; the window may hold up to `length` words: each word is
+    # at least one token, so that is more than fits
+    step = INCREMENT if hay.line_words is None else hay.line_words
+    unit = f"{INCREMENT}-word step" if hay.line_words is None else "line"
+    k_max = min(length, len(hay)) // step
     cell = cell_name(task, length)
     if k_max == 0:
-        raise ValueError(f"haystack {hay.source} has {len(hay)} words, fewer than one {INCREMENT}-word increment; "
+        raise ValueError(f"haystack {hay.source} has {len(hay)} words, fewer than one {unit}; "
                          f"give a longer haystack file for {cell}")
-    window = INCREMENT * k_max
+    window = step * k_max
     if hay.line_words is None:
         candidates = int(np.searchsorted(hay.sentence_starts, len(hay) - window, side="right"))
         w0 = int(hay.sentence_starts[int(rng.integers(candidates))])
+        order = sorted(range(spec.keys), key=lambda i: depths[i])  # needles at one sentence: shallower first
+
+        def offsets(k: int) -> list[int]:
+            return _depth_offsets(hay, w0, step * k, depths)
     else:
         w0 = 0
+        order = sorted(range(spec.keys), key=lambda i: fractions[i])
+
+        def offsets(k: int) -> list[int]:
+            return _line_offsets(fractions, k, step)
     template = prompt_template(task)
     prompts: dict[int, str] = {}
     counts: dict[int, int] = {}
 
     def n_tokens(k: int) -> int:
         if k not in counts:
-            prompts[k] = template.format(context=_render(hay, w0, INCREMENT * k, needles), query=keys[q])
+            at = offsets(k)
+            context = _render(hay, w0, step * k, [(at[i], texts[i]) for i in order])
+            prompts[k] = template.format(context=context, query=keys[q])
             counts[k] = len(tokenizer.encode_batch([prompts[k]])[0])
         return counts[k]
 
@@ -278,19 +313,22 @@ def _sample(task: str, task_id: int, spec: TaskSpec, hay: Haystack, length: int,
     first = n_tokens(1)
     if first > avail:
         raise ValueError(f"{cell}: budget {length} is below the template's own length ({first} tokens with its "
-                         f"needles and {INCREMENT} haystack words, + {max_new_tokens} new tokens); use a larger length "
+                         f"needles and one {unit} of haystack, + {max_new_tokens} new tokens); use a larger length "
                          f"(sample {index} needs >= {first + max_new_tokens})")
     probe = min(_TOKENS_PER_WORD_PROBE, window)
     per_word = max(len(tokenizer.encode_batch([" ".join(hay.words[w0:w0 + probe])])[0]) / probe, 1e-3)
-    guess = 1 + int((avail - first) / (per_word * INCREMENT))
+    guess = 1 + int((avail - first) / (per_word * step))
     if 1 < guess <= k_max:  # one secant step through the exact counts at 1 and at the first guess
         slope = max((n_tokens(guess) - first) / (guess - 1), 1.0)
         guess += int(np.floor((avail - n_tokens(guess)) / slope))
     k = _largest_fit(n_tokens, avail, k_max, guess)
     if k == k_max:
         raise ValueError(f"haystack {hay.source} is too short for {cell}: a window of {window} words of its "
-                         f"{len(hay)} still fits the budget; give a longer haystack file (haystack=PATH)")
+                         f"{len(hay)} still fits the budget; give a longer haystack file (ruler.haystack=PATH)")
+    at = offsets(k)
+    if hay.line_words is not None:  # the needle's line as a percentage of the lines
+        depths = [100 * (a // step) // k for a in at]
     return {"task": task, "length": length, "index": index, "seed": seed, "prompt": prompts[k],
-            "answers": [values[q]], "depth": depths[q], "haystack_words": INCREMENT * k,
+            "answers": [values[q]], "depth": depths[q], "haystack_words": step * k,
             "prompt_tokens": counts[k], "keys": keys, "values": values, "depths": depths, "query": keys[q],
-            "window_start": w0}
+            "window_start": w0, "offsets": at}
