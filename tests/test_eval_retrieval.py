@@ -1,5 +1,6 @@
-"""Cloze retrieval (Table 3): prompts, answer-centred truncation, scoring, and the suite end to end through lm-eval
-on local files with the hub datasets' field names."""
+"""Cloze retrieval (Table 3) with the model's real tokenizer: the window and the prompt budget, and the suite end
+to end through lm-eval on local files with the hub datasets' field names (golden prompts:
+test_retrieval_truncation.py)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,10 @@ from eval_fixtures import export_toy_run, oracle_from
 import evaluate
 from data import load_tokenizer
 from eval.harness import Unavailable
-from eval.tasks import build_docs, contains, split_prompt, truncate
+from eval.tasks import Codec, build_docs
 
 TOK = load_tokenizer("mistral-v1")
+CODEC = Codec(TOK.encode, TOK.encode, TOK.decode)
 
 
 def _records(task: str, i: int, filler: int = 3) -> dict:
@@ -31,51 +33,33 @@ def _records(task: str, i: int, filler: int = 3) -> dict:
     return {"context": ctx + " Who won?", "question": "Who won?", "answers": [answer, "ignored alias"]}
 
 
-def test_prompts_follow_the_task_text() -> None:
-    doc, q, ans = split_prompt("swde", {"text": "Title: Alien.\nDirector: Scott.\nSummary of information above... "
-                                                 "director:", "key": "director", "value": "Scott"})
-    assert doc + q == "Title: Alien.\nDirector: Scott. Director:" and ans == ["Scott"]
-    doc, q, _ = split_prompt("fda", {"text": "Device: a pump..\n510k number:", "key": "510k number", "value": "K1"})
-    assert doc + q == "Device: a pump. 510k number:"
-    doc, q, ans = split_prompt("triviaqa", {"context": "[DOC] [TLE] Paris [PAR] is in France. Where is Paris?",
-                                            "question": "Where is Paris?", "answers": ["France"]})
-    assert doc + q == "Paris  is in France. Where is Paris?" and ans == ["France"]
-    doc, q, _ = split_prompt("nq", {"context": "Some context.", "question": " Who? ", "answers": ["x"]})
-    assert doc + q == "Some context. Who?"
-    doc, q, _ = split_prompt("squad", {"text": "  A context. The answer is", "value": "x"})
-    assert doc + q == "A context. The answer is" and q == " The answer is"
-    with pytest.raises(ValueError, match="unknown retrieval task 'quac'"):
-        split_prompt("quac", {})
+def test_real_tokenizer_window_is_centred_and_stops_at_the_document_end() -> None:
+    for where, centred in ((0.5, True), (0.97, False)):
+        words = [f"w{i}" for i in range(3000)]
+        words.insert(int(where * len(words)), "The code is Zanzibar77.")
+        rec = {"context": " ".join(words), "question": "What is the code?", "answers": ["zanzibar77"]}
+        ids = TOK.encode(rec["context"])
+        centre = len(TOK.encode(rec["context"][: rec["context"].index("Zanzibar77")]))
+        [doc] = build_docs("nq", [rec], CODEC, 2048)
+        prompt = doc["prompt"]
+        assert "Zanzibar77" in prompt and prompt.endswith(". What is the code?")
+        body = len(TOK.encode(prompt[: prompt.index(". What is the code?")]))
+        width = 2048 - 48 - 50  # NQ's window
+        expected = width if centred else len(ids) - (centre - width // 2)  # no sliding back at the end
+        assert abs(body - expected) <= 2, (where, body, expected)
+        assert len(TOK.encode(prompt)) <= 2000
 
 
-@pytest.mark.parametrize("where", [0.05, 0.5, 0.97])
-def test_truncation_keeps_the_answer_and_fits_2k(where: float) -> None:
-    words = [f"w{i}" for i in range(3000)]
-    words.insert(int(where * len(words)), "The code is Zanzibar77.")
-    document = " ".join(words) + "."
-    prompt = truncate(document, " What is the code?", ["zanzibar77"], TOK.encode, TOK.decode, 2048)
-    n = len(TOK.encode(prompt))
-    assert 2048 - 60 <= n <= 2048
-    assert "Zanzibar77" in prompt and prompt.endswith(" What is the code?")
-    body = TOK.encode(prompt[: prompt.index("Zanzibar77")])
-    if 0.2 < where < 0.8:  # centred: about half of the window before the answer
-        assert abs(len(body) - (2048 - 50) / 2) < 40
-    short = "A short document about Zanzibar77."
-    assert truncate(short, " Q?", ["Zanzibar77"], TOK.encode, TOK.decode) == short + " Q?"
-
-
-def test_documents_without_an_answer_are_dropped() -> None:
-    recs = [_records("nq", 0), {"context": "c", "question": "q", "answers": []},
-            {"context": "c", "question": "q", "answers": ["  "]}]
-    docs = build_docs("nq", recs, TOK.encode, TOK.decode)
-    assert [d["index"] for d in docs] == [0] and docs[0]["answers"] == ["Answer0x", "ignored alias"]
-
-
-def test_contains_is_case_insensitive_max_over_labels() -> None:
-    assert contains(" the answer is PARIS.", ["London", "paris"]) == 1.0
-    assert contains("", ["paris"]) == 0.0
-    assert contains("anything", ["", "  "]) == 0.0
-    assert contains("Lond", ["London"]) == 0.0
+def test_a_document_that_fits_alone_still_fits_with_its_question() -> None:
+    context = " ".join(f"w{i}" for i in range(524)) + " Zanzibar77"  # 1,992 tokens: within the 1,998 window
+    n_doc = len(TOK.encode(context))
+    assert 1980 < n_doc <= 1998
+    question = " ".join(["Which of the numbered words came first in the list above?"] * 5)
+    rec = {"context": context, "question": question, "answers": ["Zanzibar77"]}
+    [doc] = build_docs("drop", [rec], CODEC, 2048)
+    n = len(TOK.encode(doc["prompt"]))
+    assert n_doc + len(TOK.encode(question)) > 2000 >= n >= 1990, n
+    assert doc["prompt"].endswith("Zanzibar77. " + question)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +103,7 @@ def test_suite_scores_100_for_the_right_answer_and_0_for_none(right: bool, run_d
     assert {r["score"] for r in rep["results"].values()} == {100.0 if right else 0.0}
     assert rep["summary"] == ({"mean": 100.0} if right else {})  # the mean needs all six tasks
     assert rep["settings"]["context_tokens"] == 2048 and rep["settings"]["max_new_tokens"] == 48
+    assert rep["settings"]["truncation"] == "jrt"
     lines = [json.loads(x) for x in (tmp_path / "retrieval.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * len(tasks) and {x["score"] for x in lines} == {1.0 if right else 0.0}
 

@@ -1,15 +1,21 @@
 """lm-eval task files of the cloze retrieval suite (Table 3) and the functions they call."""
 from eval.tasks.utils import (
+    ANSWER_ROOM,
     CONTEXT_TOKENS,
     HUB,
     MAX_GEN_TOKENS,
     TASKS,
+    TRUNCATION,
+    Codec,
     build_docs,
     contains,
+    hf_codec,
+    keep_last,
     load_records,
-    split_prompt,
-    truncate,
+    prompt_budget,
+    prompt_text,
+    window,
 )
 
-__all__ = ["CONTEXT_TOKENS", "HUB", "MAX_GEN_TOKENS", "TASKS", "build_docs", "contains", "load_records",
-           "split_prompt", "truncate"]
+__all__ = ["ANSWER_ROOM", "CONTEXT_TOKENS", "HUB", "MAX_GEN_TOKENS", "TASKS", "TRUNCATION", "Codec", "build_docs",
+           "contains", "hf_codec", "keep_last", "load_records", "prompt_budget", "prompt_text", "window"]

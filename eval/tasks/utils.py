@@ -2,17 +2,26 @@
 
 The documents come from the Hugging Face hub (``hazyresearch/based-*``, validation split) or, offline, from local
 files with the same fields: ``<data_dir>/<task>.jsonl`` or ``.parquet`` (``data_dir`` in lm-eval's metadata, or the
-``KDN_RETRIEVAL_DATA`` environment variable). Each document becomes ``{"prompt", "answers"}``:
+``KDN_RETRIEVAL_DATA`` environment variable).
 
-- SWDE, FDA (fields ``text``, ``key``, ``value``): the document, then ``Key:``;
-- SQuAD (``text``, ``value``): its text;
-- TriviaQA, NQ, DROP (``context``, ``question``, ``answers``): ``context.strip().strip(".") + ". " + question``,
-  TriviaQA's ``[PAR]``, ``[DOC]``, ``[TLE]`` markers removed.
+Each record is cut and prompted as the JRT fork of lm-eval (HazyResearch/prefix-linear-attention) does it with
+``--cutting_context`` (truncation ``"jrt"``, docs/protocol.md §9, "Table 3's truncation"):
 
-A prompt longer than ``context_tokens`` (2048) tokens keeps an answer-centred window of ``context_tokens - 50``
-tokens of its document (half of it before the first case-insensitive answer match), then its question. Documents
-without a non-empty answer are dropped. Decoding is greedy, at most 48 tokens, up to a newline; the score is
-case-insensitive containment of any label (``contains``, in [0, 1] per document).
+1. **Window.** Every record's document field (``text`` for SWDE, FDA, SQuAD; ``context`` for the others; SWDE:
+   the part before its summary line), stripped, is replaced by a window of ``cut - 50`` tokens (``cut`` =
+   ``context_tokens``; NQ: ``context_tokens - 48``), counted with the model's tokenizer as its default call encodes
+   (special tokens included). The window starts ``(cut - 50) // 2`` tokens before the anchor (not before the
+   document's start) and stops at the document's end. The anchor is the earliest case-insensitive match of the
+   task's answer fields (SWDE, FDA: ``key`` and ``value``; SQuAD: ``value``; NQ: the first of ``answers``); with no
+   match, the end of the document (the window is its tail); TriviaQA and DROP have no answer field, so their anchor
+   is the start (the window is the head).
+2. **Drop.** A record whose answer field is empty or one character long is left out (SWDE, FDA, SQuAD, NQ).
+3. **Prompt.** The task's prompt is built from the cut record (``prompt_text``).
+4. **Budget.** The prompt keeps its last ``context_tokens - 48`` tokens (without special tokens), which is what
+   lm-eval's model does to a prompt longer than its window less the 48 generated tokens.
+
+Decoding is greedy, at most 48 tokens, up to a newline; the score is case-insensitive containment of any label
+(``contains``, in [0, 1] per document).
 
 This module imports only the standard library, ``datasets`` and ``transformers``, so that
 ``lm_eval --include_path eval/tasks`` runs it from any checkout.
@@ -23,20 +32,90 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HUB = {"swde": "hazyresearch/based-swde-v2", "fda": "hazyresearch/based-fda", "squad": "hazyresearch/based-squad",
        "triviaqa": "hazyresearch/based_triviaqa", "nq": "hazyresearch/based_nq_2048", "drop": "hazyresearch/based_drop"}
 FIELDS = {"swde": ("text", "key", "value"), "fda": ("text", "key", "value"), "squad": ("text", "value"),
           "triviaqa": ("context", "question", "answers"), "nq": ("context", "question", "answers"),
           "drop": ("context", "question", "answers")}
+# (the field the window replaces, the fields whose earliest match anchors it); no fields: the document's start
+CUT = {"swde": ("text", ("key", "value")), "fda": ("text", ("key", "value")), "squad": ("text", ("value",)),
+       "triviaqa": ("context", ()), "nq": ("context", ("answers",)), "drop": ("context", ())}
 TASKS = tuple(HUB)
-CONTEXT_TOKENS = 2048
-QUESTION_ROOM = 50  # tokens of a truncated prompt left for its question
+TRUNCATION = "jrt"  # the rule's name in the results' settings
+CONTEXT_TOKENS = 2048  # the fork's --context_length for the five tasks, and its model's window
+ANSWER_ROOM = 50  # the fork's --answer_length: tokens of the cut length the window leaves out
 MAX_GEN_TOKENS = 48
 DATA_ENV = "KDN_RETRIEVAL_DATA"
 _SWDE_SUMMARY = "Summary of information above..."
 _TRIVIA_MARKERS = re.compile(r"\[PAR\]|\[DOC\]|\[TLE\]")
+
+
+class Codec(NamedTuple):
+    """The model's tokenizer, as the truncation uses it.
+
+    Args:
+        encode: text -> ids as the tokenizer's default call returns them (special tokens included): the window's
+            token counts.
+        encode_plain: text -> ids without special tokens: the prompt budget's count.
+        decode: ids -> text, special tokens skipped.
+    """
+
+    encode: Callable[[str], list[int]]
+    encode_plain: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+
+def prompt_budget(context_tokens: int) -> int:
+    """Prompt tokens that leave room for the generation in a ``context_tokens`` window."""
+    budget = context_tokens - MAX_GEN_TOKENS
+    if budget - ANSWER_ROOM <= 0:
+        raise ValueError(f"context_tokens={context_tokens} leaves no document window; use more than "
+                         f"{MAX_GEN_TOKENS + ANSWER_ROOM} (the paper: {CONTEXT_TOKENS})")
+    return budget
+
+
+def _first_answer(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return str(value[0]) if value else ""
+    return str(value)
+
+
+def anchor(task: str, record: dict[str, Any], document: str) -> int | None:
+    """Character offset in ``document`` that centres the window: the earliest case-insensitive match of the
+    task's answer fields, then of ``alt_answers`` (when the record has them); ``-1`` when nothing matches; ``0``
+    for a task without answer fields; ``None`` when an answer field is empty or one character long (drop)."""
+    fields = CUT[task][1]
+    if not fields:
+        return 0
+    pos = -1
+    for name in fields:
+        answer = _first_answer(record[name])
+        if len(answer) <= 1:
+            return None
+        if (m := re.search(re.escape(answer), document, re.IGNORECASE)) and (pos < 0 or m.start() < pos):
+            pos = m.start()
+    if pos < 0:  # the first alternative answer that matches
+        for alt in record.get("alt_answers") or []:
+            if m := re.search(re.escape(str(alt)), document, re.IGNORECASE):
+                return m.start()
+    return pos
+
+
+def window(document: str, pos: int, width: int, codec: Codec, tok_pos: int | None = None) -> str:
+    """The ``width``-token window of ``document`` around character ``pos`` (decoded).
+
+    It starts ``width // 2`` tokens before the anchor token, or at the document's start, and stops ``width`` tokens
+    later or at the document's end. The anchor token is the token count of ``document[:pos]``; with ``pos = -1``
+    that prefix is all but the last character, so the window is the document's tail (or ``tok_pos``, when given
+    and that prefix is longer than ``width``)."""
+    ids = codec.encode(document)
+    centre = len(codec.encode(document[:pos]))
+    if pos == -1 and tok_pos is not None and centre > width:
+        centre = int(tok_pos)
+    start = max(0, centre - width // 2)
+    return codec.decode(ids[start: min(len(ids), start + width)])
 
 
 def _strip_suffix(text: str, suffix: str) -> str:
@@ -45,58 +124,76 @@ def _strip_suffix(text: str, suffix: str) -> str:
     return text
 
 
-def split_prompt(task: str, doc: dict[str, Any]) -> tuple[str, str, list[str]]:
-    """``(document, question, answers)`` of one raw record; the prompt is ``document + question``."""
-    if task in ("swde", "fda"):
-        text = doc["text"].split(_SWDE_SUMMARY)[0] if task == "swde" else doc["text"]
-        key = doc["key"].strip()
-        text = _strip_suffix(text.strip(), key + ":")
-        question = " " + key[:1].upper() + key[1:] + ":"
-        return text.strip().strip(".") + ".", question, [str(doc["value"])]
+def prompt_text(task: str, record: dict[str, Any]) -> str:
+    """The prompt of one (cut) record, as the fork's task builds it."""
+    if task == "swde":
+        key = record["key"]
+        text = _strip_suffix(record["text"].split(_SWDE_SUMMARY)[0], key + ":")
+        return text.strip().strip(".") + ". " + key[:1].upper() + key[1:] + ":"
+    if task == "fda":
+        key = record["key"]
+        text = _strip_suffix(record["text"], key + ":").strip("\n").strip(".")
+        return (text if text.endswith(".") else text + ".") + " " + key[:1].upper() + key[1:] + ":"
     if task == "squad":
-        text = doc["text"].strip()
-        cut = max(text.rfind("\n"), text.rfind(". ") + 1)  # the cloze sentence stays whole
-        return (text[:cut], text[cut:], [str(doc["value"])]) if cut > 0 else (text, "", [str(doc["value"])])
+        return record["text"].strip()
     if task not in FIELDS:
         raise ValueError(f"unknown retrieval task {task!r}: use one of {', '.join(TASKS)}")
-    context = doc["context"].strip()
+    context, question = record["context"].strip(), record["question"].strip()
     if task == "triviaqa":
         context = _TRIVIA_MARKERS.sub("", context)
-    question = doc["question"].strip()
-    context = _strip_suffix(context, question)
-    answers = doc["answers"]
-    answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
-    return context.strip().strip(".") + ".", " " + question, answers
+    if task == "nq":  # once, case-sensitively
+        context = context[: -len(question)] if question and context.endswith(question) else context
+    else:
+        context = _strip_suffix(context, question)
+    return context.strip().strip(".") + ". " + question
 
 
-def truncate(document: str, question: str, answers: list[str], encode: Callable[[str], list[int]],
-             decode: Callable[[list[int]], str], context_tokens: int = CONTEXT_TOKENS) -> str:
-    """The prompt ``document + question``, cut to an answer-centred window of the document when it is longer
-    than ``context_tokens`` tokens: ``context_tokens - max(50, question tokens)`` document tokens, half of them
-    before the first case-insensitive match of any answer (the document's start when none matches)."""
-    if len(encode(document + question)) <= context_tokens:
-        return document + question
-    ids = encode(document)
-    width = context_tokens - max(QUESTION_ROOM, len(encode(question)))
-    if width <= 0:
-        raise ValueError(f"the question alone has {len(encode(question))} tokens, more than the "
-                         f"{context_tokens}-token context; raise context_tokens")
-    lower = document.lower()
-    hits = [lower.find(a.lower()) for a in answers if a.strip()]
-    hits = [h for h in hits if h >= 0]
-    centre = len(encode(document[: min(hits)])) if hits else 0
-    start = max(0, min(centre - width // 2, len(ids) - width))
-    window = decode(ids[start: start + width])
-    while len(encode(window + question)) > context_tokens:  # a re-encoded window can merge differently
-        width -= 8
-        window = decode(ids[start: start + width])
-    return window + question
+def keep_last(prompt: str, budget: int, codec: Codec) -> str:
+    """``prompt`` cut to its last ``budget`` tokens (without special tokens); re-encoding the decoded cut can
+    merge tokens differently, so it drops more until the text itself fits."""
+    ids = codec.encode_plain(prompt)
+    drop = len(ids) - budget
+    while drop > 0:
+        prompt = codec.decode(ids[drop:])
+        if len(codec.encode_plain(prompt)) <= budget:
+            break
+        drop += 1
+    return prompt
+
+
+def labels(task: str, record: dict[str, Any]) -> list[str]:
+    """The strings a continuation is scored against."""
+    if task in ("swde", "fda", "squad"):
+        return [str(record["value"])]
+    answers = record["answers"]
+    return [answers] if isinstance(answers, str) else [str(a) for a in answers]
 
 
 def contains(prediction: str, labels: list[str]) -> float:
-    """1.0 when any non-empty label occurs in ``prediction`` (case-insensitive), else 0.0."""
-    low = prediction.lower()
-    return float(any(label.strip() and label.lower() in low for label in labels))
+    """1.0 when any label occurs in ``prediction`` (case-insensitive; an empty label always does), else 0.0."""
+    return float(any(re.search(re.escape(label), prediction, re.IGNORECASE) for label in labels))
+
+
+def build_docs(task: str, records: list[dict[str, Any]], codec: Codec,
+               context_tokens: int = CONTEXT_TOKENS) -> list[dict[str, Any]]:
+    """``[{"index", "prompt", "answers"}]``: each record windowed, prompted and cut to the budget; the records the
+    rule drops (and those without any label) are left out. ``index`` is the record's position in ``records``."""
+    if task not in CUT:
+        raise ValueError(f"unknown retrieval task {task!r}: use one of {', '.join(TASKS)}")
+    budget = prompt_budget(context_tokens)
+    field = CUT[task][0]
+    width = (budget if task == "nq" else context_tokens) - ANSWER_ROOM
+    docs = []
+    for i, rec in enumerate(records):
+        answers = labels(task, rec)
+        document = str(rec[field])
+        document = (document.split(_SWDE_SUMMARY)[0] if task == "swde" else document).strip()
+        pos = anchor(task, rec, document)
+        if pos is None or not answers:
+            continue
+        cut = dict(rec) | {field: window(document, pos, width, codec, rec.get("tok_pos"))}
+        docs.append({"index": i, "prompt": keep_last(prompt_text(task, cut), budget, codec), "answers": answers})
+    return docs
 
 
 def _local_file(task: str, data_dir: str | None) -> Path | None:
@@ -134,6 +231,14 @@ def load_records(task: str, data_dir: str | None = None) -> list[dict[str, Any]]
     return list(ds)
 
 
+def hf_codec(tokenizer: Any) -> Codec:
+    """:class:`Codec` of a ``transformers`` tokenizer: its default call, the same without special tokens, and
+    ``decode`` skipping special tokens (its own whitespace clean-up setting, as the fork decodes)."""
+    return Codec(encode=lambda s: tokenizer(s)["input_ids"],
+                 encode_plain=lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
+                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def _tokenizer(metadata: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
@@ -144,27 +249,11 @@ def _tokenizer(metadata: dict[str, Any]) -> Any:
     return AutoTokenizer.from_pretrained(name)
 
 
-def build_docs(task: str, records: list[dict[str, Any]], encode: Callable[[str], list[int]],
-               decode: Callable[[list[int]], str], context_tokens: int = CONTEXT_TOKENS) -> list[dict[str, Any]]:
-    """``[{"index", "prompt", "answers"}]`` for the records with a non-empty answer, truncated."""
-    docs = []
-    for i, rec in enumerate(records):
-        document, question, answers = split_prompt(task, rec)
-        answers = [a for a in answers if a.strip()]
-        if answers:
-            docs.append({"index": i, "prompt": truncate(document, question, answers, encode, decode, context_tokens),
-                         "answers": answers})
-    return docs
-
-
 def _loader(task: str) -> Callable[..., Any]:
     def load(**metadata: Any) -> Any:
         import datasets
 
-        tok = _tokenizer(metadata)
-        docs = build_docs(task, load_records(task, metadata.get("data_dir")),
-                          lambda s: tok(s, add_special_tokens=False)["input_ids"],
-                          lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+        docs = build_docs(task, load_records(task, metadata.get("data_dir")), hf_codec(_tokenizer(metadata)),
                           int(metadata.get("context_tokens", CONTEXT_TOKENS)))
         return datasets.DatasetDict({"validation": datasets.Dataset.from_list(docs)})
 
