@@ -17,9 +17,6 @@ from eval.tables.__main__ import main
 from eval.tables.mqar import MATCHED, UNMATCHED
 from trainer.checkpoint import write_json_atomic
 
-# Tables 1-5 of a folder with no training run: every cell missing, warned about (checked in tests/test_tables.py)
-pytestmark = [pytest.mark.filterwarnings(r"ignore:table\d. \d+ missing cell"),
-              pytest.mark.filterwarnings("ignore:no run .config.yaml")]
 MIXERS = ("kda", "kdn_diag", "kdn_diag/mu=1", "attn")
 BASE = {"kda": 0.60, "kdn_diag": 0.70, "kdn_diag/mu=1": 0.50, "attn": 0.90}
 LRS = (1e-3, 1e-2)
@@ -201,10 +198,11 @@ def test_bad_files_get_one_line_errors(tmp_path: Path, two_files: tuple[Path, Pa
         assert "\n" not in str(err.value)
 
 
-def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_files: tuple[Path, Path]) -> None:
+def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_files: tuple[Path, Path],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     runs, out = two_files[0].parents[2], tmp_path / "out"
-    with pytest.warns(UserWarning, match="mqar_recall: 2 missing cell"):
-        assert main([str(runs), "--out", str(out)]) == 0  # both files found under RUNS_DIR
+    assert main([str(runs), "--out", str(out)]) == 0  # both files found under RUNS_DIR
+    assert "mqar_recall: 2 missing cell" in capsys.readouterr().err
     for ext in ("md", "tex", "csv", "json"):
         assert (out / f"mqar_recall.{ext}").stat().st_size > 0 and (out / f"table1.{ext}").stat().st_size > 0
     data = json.loads((out / "mqar_recall.json").read_text())
@@ -217,15 +215,15 @@ def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_file
     assert "mqar_recall / attn / 64x4 d128, 128x8 d128" in (out / "missing.txt").read_text()
     assert "experiment=table1_750m_kda" in (out / "missing.txt").read_text()  # Tables 1-5 keep theirs
     only = tmp_path / "only"
-    with pytest.warns(UserWarning, match="missing"):
-        assert main(["--mqar", str(two_files[0]), "--mqar-reference", "kdn_diag", "--out", str(only)]) == 0
+    assert main(["--mqar", str(two_files[0]), "--mqar-reference", "kdn_diag", "--out", str(only)]) == 0
+    assert "mqar_recall: 2 missing cell" in capsys.readouterr().err
     assert "| Δ vs kdn_diag |" in (only / "mqar_recall.md").read_text() and not (only / "table1.md").exists()
     assert as_json(build_mqar_table(read_mqar([two_files[0]])))["runs"] == [str(two_files[0])]
     write_results(runs / "mqar" / "other" / "mqar.json", ["mixers=kda", "widths=64", "settings=64x4", "seeds=7",
                                                           "epochs=2"])
     (out / "table1.md").unlink()
     refusal = r"eval.tables: mqar_recall: setting 64x4 differs .* epochs \(1 vs 2\)"
-    with pytest.warns(UserWarning), pytest.raises(SystemExit, match=refusal):
+    with pytest.raises(SystemExit, match=refusal):
         main([str(runs), "--out", str(out)])
     assert (out / "table1.md").is_file()  # the other tables are written before the refusal
     with pytest.raises(SystemExit):

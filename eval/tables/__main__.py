@@ -1,7 +1,8 @@
 """``python -m eval.tables RUNS_DIR [--paper] [--out DIR] [--tables table1,table4,mqar_recall] [--no-diff]
 [--throughput bench/results/mixer_throughput.json] [--mqar FILE [FILE ...]] [--mqar-reference kda]``.
 
-Writes ``<id>.md/.tex/.csv/.json`` per table, ``runs.md`` (what was found), ``missing.txt``,
+Writes ``<id>.md/.tex/.csv/.json`` per table, ``your_runs.md/.tex/.csv/.json`` (every evaluated run, paper preset
+or not), ``runs.md`` (what was found), ``missing.txt`` (empty cells, runs that matched no paper row, files skipped),
 ``loss_curves.png`` and, with ``--throughput``, ``fig4_throughput.png/.pdf`` into ``--out``. The MQAR recall table
 (``mqar_recall.*``) is built from the ``mqar.json`` files under RUNS_DIR, or from those ``--mqar`` names instead.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 from eval.tables.figures import loss_curves, throughput_figure
@@ -18,6 +18,7 @@ from eval.tables.mqar import DEFAULT_REFERENCE, MQAR_ID, build_mqar_table, find_
 from eval.tables.render import write_atomic, write_table
 from eval.tables.runs import Run, find_runs
 from eval.tables.specs import TABLES
+from eval.tables.yours import YOURS_ID, build_runs_table, write_runs_table
 
 
 def inventory(runs: list[Run]) -> str:
@@ -61,8 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.throughput:
         for p in throughput_figure(args.throughput, out):
             print(f"wrote {p}")
-    missing = tables_of_runs(args.runs_dir, [t for t in ids if t in TABLES], out, paper=args.paper,
-                             diffs=not args.no_diff) if args.runs_dir is not None else []
+    missing: list[str] = []
+    refused = 0
+    if args.runs_dir is not None:
+        try:
+            missing, refused = tables_of_runs(args.runs_dir, [t for t in ids if t in TABLES], out,
+                                              paper=args.paper, diffs=not args.no_diff)
+        except ValueError as err:  # RUNS_DIR is no directory
+            raise SystemExit(f"eval.tables: {err}") from None
     mqar_paths = args.mqar or (find_mqar(args.runs_dir) if args.runs_dir is not None else [])
     if MQAR_ID in ids and mqar_paths:
         try:
@@ -70,34 +77,62 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # bad file, mixed budgets, duplicate job: one line, the other tables are written
             raise SystemExit(f"eval.tables: {err}") from None
         missing += emit(table, MQAR_ID, out)
+    if args.runs_dir is not None or (MQAR_ID in ids and mqar_paths):
         write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
-    return 0
+    if missing:
+        say(f"{len(missing)} line(s) of missing cells, unmatched runs and skipped files: {out / 'missing.txt'}")
+    return 1 if refused else 0
+
+
+def say(line: str) -> None:
+    """One plain line on stderr (no source location, unlike a warning)."""
+    print(line, file=sys.stderr)
 
 
 def emit(table: Table, tid: str, out: Path) -> list[str]:
-    """Write ``table`` (every rendering) into ``out``, warn of its missing cells and return them."""
-    for p in write_table(table, out):
-        print(f"wrote {p}")
+    """Write ``table`` (every rendering) into ``out``, say in one line how many cells are missing and return them."""
+    write_table(table, out)
+    print(f"wrote {out / tid}.{{md,tex,csv,json}}")
     if table.missing:
-        warnings.warn(f"{tid}: {len(table.missing)} missing cell(s):\n  " + "\n  ".join(table.missing), stacklevel=1)
+        say(f"{tid}: {len(table.missing)} missing cell(s) or row(s), listed in missing.txt")
     return table.missing
 
 
-def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, diffs: bool) -> list[str]:
-    """Write ``runs.md``, the tables ``ids``, ``missing.txt`` and the loss curves of the runs under ``runs_dir``
-    into ``out``; returns the missing cells."""
-    runs = find_runs(runs_dir)
+def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, diffs: bool) -> tuple[list[str], int]:
+    """Write ``runs.md``, the tables ``ids``, the table of your runs and the loss curves of the runs under
+    ``runs_dir`` into ``out``.
+
+    Returns: the lines for ``missing.txt`` (files skipped, missing cells, runs that matched no paper row, tables
+    refused) and the number of tables refused (mixed evaluation settings, duplicate runs). Every refusal and
+    skipped file is said in one line; the other tables are still written."""
+    skipped: list[str] = []
+    runs = find_runs(runs_dir, skipped)
+    for line in skipped:
+        say(line)
     if not runs:
-        warnings.warn(f"no run (config.yaml or eval/<suite>.json) under {runs_dir}", stacklevel=1)
+        say(f"no run (config.yaml or eval/<suite>.json) under {runs_dir}")
     write_atomic(out / "runs.md", inventory(runs))
-    missing: list[str] = []
+    missing = list(skipped)
+    refused = 0
     for tid in ids:
-        missing += emit(build_table(TABLES[tid], runs, paper=paper, diffs=diffs), tid, out)
-    write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
+        try:
+            table = build_table(TABLES[tid], runs, paper=paper, diffs=diffs)
+        except ValueError as err:  # SettingsMismatch or two runs of one experiment and seed
+            say(f"eval.tables: {tid} not written: {err}")
+            missing.append(f"{tid}: not written: {err}")
+            refused += 1
+            continue
+        missing += emit(table, tid, out)
+    yours = build_runs_table(runs, runs_dir)
+    write_runs_table(yours, out)
+    print(f"wrote {out / YOURS_ID}.{{md,tex,csv,json}} ({len(yours.rows)} evaluated run(s))")
+    if yours.unmatched:
+        say(f"{YOURS_ID}: {len(yours.unmatched)} run(s) matched no paper row (why: missing.txt)")
+    missing += yours.unmatched
     curves = loss_curves(runs, out / "loss_curves.png")
     if curves is not None:
         print(f"wrote {curves}")
-    return missing
+    return missing, refused
 
 
 if __name__ == "__main__":

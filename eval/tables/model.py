@@ -2,7 +2,8 @@
 
 A row's cell is the mean over the training seeds of its experiment, with the sample standard deviation and ``n``.
 A paired-difference row gives, per column, the mean and spread of ``row - reference`` over the seeds both rows
-have. Results of one suite with differing evaluation settings in one table are refused.
+have. Results of one suite with differing evaluation settings in one table are refused. A row whose results were
+not evaluated as the paper's were is marked, and the paper's rows are then listed apart, never beside ours.
 """
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.tables.paper import PAPER
+from eval.tables.paper import PAPER, PAPER_MARKS, paper_protocol_gap
 from eval.tables.runs import Experiment, Run, preset_identity
 from eval.tables.specs import MEAN, RETRIEVAL_TASKS, RULER_CELLS, Column, GroupSpec, RowSpec, TableSpec
 
 MISSING = "—"
-# evaluation settings that change a number: results of one suite must agree on them within a table
-SETTING_KEYS = ("max_length", "samples_per_cell", "seed", "haystack.sha256", "tokenizer_sha256", "max_new_tokens",
-                "tasks")
+# per suite, the evaluation settings that change a number: results of one suite must agree on them within a table.
+# A key absent from every file agrees; RULER's max_length is left out (its prompts are built to each cell's
+# length, whatever lm-eval's max_length says).
+SETTING_KEYS: dict[str, tuple[str, ...]] = {
+    "lm": ("max_length", "limit", "num_fewshot", "tokenizer_sha256"),
+    "ruler": ("samples_per_cell", "seed", "haystack.sha256", "tokenizer_sha256", "max_new_tokens"),
+    "retrieval": ("truncation", "context_tokens", "limit", "max_new_tokens", "tokenizer_sha256"),
+}
 
 
 class SettingsMismatch(ValueError):
@@ -65,6 +71,7 @@ class Row:
     kind: str  # "ours", "paper" or "diff"
     cells: dict[str, Cell | None]
     key: str = ""
+    note: str = ""  # e.g. "not the paper's haystack": printed after the label in every format
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Table:
     groups: list[Group]
     missing: list[str]
     runs: list[str]
+    notes: list[str] = field(default_factory=list)  # why marked rows are not comparable with the paper's
 
     @property
     def columns(self) -> tuple[Column, ...]:
@@ -121,7 +129,7 @@ def check_settings(spec: TableSpec, runs: list[Run]) -> None:
     (or the runs' data seeds) differ within the table."""
     suites = {c.suite for c in spec.columns}
     for suite in sorted(suites):
-        for key in SETTING_KEYS:
+        for key in SETTING_KEYS.get(suite, ()):
             seen: dict[Any, list[str]] = defaultdict(list)
             for run in runs:
                 if suite in run.results:
@@ -161,8 +169,11 @@ def _preset_for(row: RowSpec, column: Column, identities: dict[str, Experiment])
 
 
 def _our_row(spec: TableSpec, row: RowSpec, by_exp: dict[Experiment, list[Run]],
-             identities: dict[str, Experiment], missing: list[str], used: set[str]) -> Row:
+             identities: dict[str, Experiment], missing: list[str], used: set[str], gaps: list[str]) -> Row:
+    """``row`` from its runs; marked (``note``) when a value came from results off the paper's protocol, whose
+    reasons are added to ``gaps``."""
     cells: dict[str, Cell | None] = {}
+    note = ""
     why_missing: dict[str, list[str]] = defaultdict(list)  # reason -> the columns it leaves empty
     for col in spec.columns:
         preset = _preset_for(row, col, identities)
@@ -179,9 +190,13 @@ def _our_row(spec: TableSpec, row: RowSpec, by_exp: dict[Experiment, list[Run]],
             else:
                 values.append(v)
                 seeds.append(run.seed)
+                gap = paper_protocol_gap(col.suite, run.results[col.suite].get("settings") or {})
+                if gap is not None:
+                    note = PAPER_MARKS[col.suite]
+                    gaps.append(f"{row.label}: {gap}")
         cells[col.key] = Cell(values, seeds) if values else None
     missing += [f"{spec.id} / {row.label} / {', '.join(cols)}: {why}" for why, cols in why_missing.items()]
-    return Row(row.label, "ours", cells, row.key)
+    return Row(row.label, "ours", cells, row.key, note)
 
 
 def diff_row(row: Row, ref: Row, label: str, columns: tuple[Column, ...]) -> Row | None:
@@ -227,6 +242,8 @@ def build_table(spec: TableSpec, runs: list[Run], *, paper: bool = False, diffs:
     Args: ``runs``: every run found (those of experiments the table does not show are ignored); ``paper``: add the
     published numbers as reference rows; ``diffs``: add each row's paired difference against its group's reference.
     Returns: the :class:`Table` (its ``missing`` lists every empty cell with the run or preset that would fill it).
+    A row whose results were not evaluated as the paper's were (:func:`eval.tables.paper.paper_protocol_gap`) is
+    marked; then the paper's rows are not placed beside ours but listed apart, after our groups.
     Raises: :class:`SettingsMismatch` when the results it uses disagree on an evaluation setting or data seed;
     ``ValueError`` for two runs of one experiment with the same seed."""
     identities = {p: preset_identity(p) for g in spec.groups for r in g.rows for p in r.presets}
@@ -236,15 +253,20 @@ def build_table(spec: TableSpec, runs: list[Run], *, paper: bool = False, diffs:
     by_exp = _index(mine)
     missing: list[str] = []
     used: set[str] = set()
-    groups = []
-    for g in spec.groups:
-        groups.append(_group(spec, g, by_exp, identities, missing, used, paper=paper, diffs=diffs))
-    return Table(spec, groups, missing, sorted(used))
+    gaps: list[str] = []
+    ours = [[_our_row(spec, r, by_exp, identities, missing, used, gaps) for r in g.rows] for g in spec.groups]
+    apart = paper and any(r.note for rows in ours for r in rows)
+    groups = [_group(spec, g, rows, paper=paper and not apart, diffs=diffs) for g, rows in zip(spec.groups, ours)]
+    if apart:
+        for g in spec.groups:
+            published = [p for p in (_paper_row(spec, r) for r in g.rows) if p is not None]
+            if published:
+                groups.append(Group(f"The paper's published numbers, not comparable with ours: {g.label}",
+                                    published))
+    return Table(spec, groups, missing, sorted(used), list(dict.fromkeys(gaps)))
 
 
-def _group(spec: TableSpec, g: GroupSpec, by_exp: dict[Experiment, list[Run]], identities: dict[str, Experiment],
-           missing: list[str], used: set[str], *, paper: bool, diffs: bool) -> Group:
-    ours = [_our_row(spec, r, by_exp, identities, missing, used) for r in g.rows]
+def _group(spec: TableSpec, g: GroupSpec, ours: list[Row], *, paper: bool, diffs: bool) -> Group:
     mark_bold(ours, spec.columns)
     ref = next((r for r in ours if r.key == g.reference), None)
     ref_label = next((r.label for r in g.rows if r.key == g.reference), "")

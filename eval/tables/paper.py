@@ -6,6 +6,8 @@ means. Everything else of a paper row prints as missing.
 """
 from __future__ import annotations
 
+from typing import Any
+
 PaperRows = dict[str, dict[str, float]]
 
 
@@ -57,3 +59,28 @@ PAPER: dict[str, PaperRows] = {
 BETA_EFF_MEANS = {"kda": 0.675, "kdn_diag mu=1": 0.943, "kdn_diag mu=sqrt": 0.891, "kdn_diag mu=dk": 0.826,
                   "kdn_diag mu=4dk": 0.805}
 MU_INTERVENTION = {"1": 0.886, "sqrt": 0.873, "dk": 0.862, "4dk": 0.857}
+
+# The protocol behind the paper's Table 2 and Table 3 numbers (docs/protocol.md): our results sit beside them only
+# when they followed it. RULER's essay tasks read Paul Graham's essays (results record ``haystack.paper``); the cloze
+# tasks are windowed as the JRT fork's lm-eval harness windows them, in its 2,048-token window (``context_tokens``;
+# NQ's 2,000-token cut is derived from it, eval/tasks/utils.py).
+PAPER_TRUNCATION = "jrt"
+PAPER_CONTEXT_TOKENS = 2048
+PAPER_MARKS = {"ruler": "not the paper's haystack", "retrieval": "not the paper's retrieval settings"}
+
+
+def paper_protocol_gap(suite: str, settings: dict[str, Any]) -> str | None:
+    """Why results of ``suite`` evaluated with ``settings`` (a results file's ``settings`` block) are not comparable
+    with the paper's numbers, or ``None`` when they are (or the paper prescribes nothing for that suite)."""
+    if suite == "ruler":
+        hay = settings.get("haystack") or {}
+        if hay.get("paper") is True:
+            return None
+        name = hay.get("name") or hay.get("source") or "an unrecorded haystack"
+        return f"RULER ran on {name}, not Paul Graham's essays (set ruler.haystack to the essays)"
+    if suite == "retrieval":
+        gaps = [f"{key}={settings.get(key)!r} (the paper's: {want!r})"
+                for key, want in (("truncation", PAPER_TRUNCATION), ("context_tokens", PAPER_CONTEXT_TOKENS))
+                if settings.get(key) != want]
+        return "retrieval ran with " + ", ".join(gaps) if gaps else None
+    return None

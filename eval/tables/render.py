@@ -18,13 +18,14 @@ KIND_NOTE = {"paper": "published numbers", "diff": "the row minus the reference 
 
 
 def grid(table: Table) -> list[tuple[str, str, str, list[tuple[str, bool]]]]:
-    """``(group, row label, kind, [(cell text, bold)])`` per row, in order."""
+    """``(group, row label, kind, [(cell text, bold)])`` per row, in order; a marked row's label carries its mark,
+    e.g. ``KDA (not the paper's haystack)``."""
     out = []
     for g in table.groups:
         for r in g.rows:
             cells = [(c.text(), c.bold) if c is not None else (MISSING, False)
                      for c in (r.cells.get(col.key) for col in table.columns)]
-            out.append((g.label, r.label, r.kind, cells))
+            out.append((g.label, f"{r.label} ({r.note})" if r.note else r.label, r.kind, cells))
     return out
 
 
@@ -97,10 +98,10 @@ def as_json(table: Table) -> dict[str, Any]:
         return {"mean": c.mean, "std": c.std, "n": c.n, "seeds": c.seeds, "values": c.values, "bold": c.bold}
 
     return {"id": table.spec.id, "title": table.spec.title, "columns": [c.key for c in table.columns],
-            "groups": [{"label": g.label, "rows": [{"label": r.label, "kind": r.kind, "key": r.key,
+            "groups": [{"label": g.label, "rows": [{"label": r.label, "kind": r.kind, "key": r.key, "note": r.note,
                                                     "cells": {k: cell(v) for k, v in r.cells.items()}}
                                                    for r in g.rows]} for g in table.groups],
-            "missing": table.missing, "runs": table.runs}
+            "missing": table.missing, "runs": table.runs, "not_comparable_with_paper": table.notes}
 
 
 def _caption(table: Table) -> str:
@@ -108,6 +109,9 @@ def _caption(table: Table) -> str:
     parts = [table.spec.note] if table.spec.note else []
     parts.append("Cells: mean ± sample std over training seeds (n), bold best of our rows per column and group")
     parts += [f"'{k}' rows: {KIND_NOTE[k]}" for k in kinds]
+    if table.notes:
+        parts.append("Marked rows were not evaluated as the paper's were, so the paper's rows are listed apart: "
+                     + "; ".join(table.notes))
     if table.missing:
         parts.append(f"{MISSING}: no result ({len(table.missing)} missing)")
     return "; ".join(p.rstrip(".") for p in parts) + "."

@@ -3,6 +3,7 @@
 A run directory holds ``config.yaml`` (train.py's resolved config), ``metrics.jsonl`` and ``eval/<suite>.json``
 (the evaluation suites' results, schema 1). The experiment of a run is read from its config (size, backbone
 pattern, mixer and the KDN options); runs that differ only in the training ``seed`` are seeds of one experiment.
+Runs may still be writing: a file that cannot be read is left out with one line naming it, never an exception.
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-SUITES = ("lm", "ruler", "retrieval", "ppl")
+SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 SCHEMA = 1
 KDN_MIXERS = ("kdn_diag", "kdn_iso")
 KDN_DEFAULTS = {"mu": "dk", "noise": "learned", "alpha_param": "kda"}
@@ -77,8 +80,17 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file; a torn last line (a run stopped mid-write) is skipped with a warning."""
+def report(skipped: list[str] | None, line: str) -> None:
+    """Hand one line about a file left out to ``skipped``, or warn it when no list collects them."""
+    if skipped is None:
+        warnings.warn(line, stacklevel=3)
+    else:
+        skipped.append(line)
+
+
+def read_jsonl(path: Path, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; a torn last line (a run writing, or stopped mid-write) is left out and
+    reported to ``skipped`` (see :func:`report`). An unreadable line before it is a ``ValueError`` naming it."""
     lines = path.read_text().splitlines()
     out = []
     for i, line in enumerate(lines):
@@ -88,7 +100,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:
-                warnings.warn(f"{path}: skipped a torn last line ({len(line)} characters)", stacklevel=2)
+                report(skipped, f"skipped the torn last line of {path} ({len(line)} characters; the run is "
+                                "writing it, or stopped mid-write)")
                 break
             raise ValueError(f"{path}:{i + 1} is not JSON ({e.msg}); repair or remove that line") from None
     return out
@@ -129,39 +142,68 @@ def _identity_from_result(res: dict[str, Any], path: Path) -> tuple[Experiment, 
     return exp, int(m.get("seed") or 0), None
 
 
-def load_run(path: Path) -> Run:
+# what reading a run's files can raise while a run is still writing them, or after a damaged copy
+UNREADABLE = (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException)
+
+
+def load_run(path: Path, skipped: list[str] | None = None) -> Run | None:
     """A run from its directory (``config.yaml`` and/or ``eval/*.json``, ``metrics.jsonl`` if present). Results
-    written beside the export (``hf/eval/*.json``) count too; where both hold a suite, the run's own is used."""
-    results = {p.stem: read_result(p) for p in sorted((path / "hf" / "eval").glob("*.json")) if p.stem in SUITES}
-    for p in sorted((path / "eval").glob("*.json")):
-        if p.stem in SUITES:
-            if p.stem in results:
-                warnings.warn(f"{path}: both eval/{p.stem}.json and hf/eval/{p.stem}.json exist; using the first",
-                              stacklevel=2)
-            results[p.stem] = read_result(p)
-    if (path / "config.yaml").is_file():
-        exp, seed, data_seed = _identity_from_config(read_yaml(path / "config.yaml"),
-                                                     path / "config.yaml")
-    elif results:
-        first = next(iter(results))
-        exp, seed, data_seed = _identity_from_result(results[first], path / "eval" / f"{first}.json")
-    else:
-        raise ValueError(f"{path} has neither config.yaml nor eval/<suite>.json")
+    written beside the export (``hf/eval/*.json``) count too; where both hold a suite, the run's own is used.
+
+    A file that cannot be read (half-written, damaged, of another schema) is left out and reported to ``skipped``
+    (see :func:`report`): a results file drops its suite, ``metrics.jsonl`` its training records, ``config.yaml``
+    the whole run (``None``)."""
+    results: dict[str, dict[str, Any]] = {}
+    for p in [*sorted((path / "hf" / "eval").glob("*.json")), *sorted((path / "eval").glob("*.json"))]:
+        if p.stem not in SUITES:
+            continue
+        try:
+            res = read_result(p)
+        except UNREADABLE as e:
+            report(skipped, f"skipped {_reason(e, p)}")
+            continue
+        if p.parent.parent == path and p.stem in results:
+            report(skipped, f"{path}: both eval/{p.stem}.json and hf/eval/{p.stem}.json exist; using the first")
+        results[p.stem] = res
+    if not (path / "config.yaml").is_file() and not results:
+        report(skipped, f"skipped {path}: no readable config.yaml or eval/<suite>.json")
+        return None
+    first = next(iter(results), "")
+    source = path / "config.yaml" if (path / "config.yaml").is_file() else path / "eval" / f"{first}.json"
+    try:
+        if source.name == "config.yaml":
+            exp, seed, data_seed = _identity_from_config(read_yaml(source), source)
+        else:
+            exp, seed, data_seed = _identity_from_result(results[first], source)
+    except UNREADABLE as e:
+        report(skipped, f"skipped the run {path}: {_reason(e, source)}")
+        return None
     run = Run(path, exp, seed, data_seed, results)
     if (path / "metrics.jsonl").is_file():
-        rows = read_jsonl(path / "metrics.jsonl")
+        try:
+            rows = read_jsonl(path / "metrics.jsonl", skipped)
+        except UNREADABLE as e:
+            report(skipped, f"skipped the training records of {_reason(e, path / 'metrics.jsonl')}")
+            rows = []
         run.train = [r for r in rows if "loss" in r]
         run.val = [r for r in rows if "val_loss" in r]
     return run
 
 
-def find_runs(root: str | Path) -> list[Run]:
+def _reason(err: BaseException, path: Path) -> str:
+    """One line from an exception about ``path``, naming it once."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def find_runs(root: str | Path, skipped: list[str] | None = None) -> list[Run]:
     """Every run under ``root``, sorted by path.
 
     Args: ``root``: a folder holding run directories at any depth (a run: ``config.yaml`` and/or
-    ``eval/<suite>.json``; results under ``<run>/hf/eval`` belong to ``<run>``).
-    Returns: one :class:`Run` per directory. Raises ``ValueError`` for a results file of another schema or a
-    corrupt line inside ``metrics.jsonl`` (a torn last line is skipped with a warning)."""
+    ``eval/<suite>.json``; results under ``<run>/hf/eval`` belong to ``<run>``); ``skipped``: collects one line per
+    file left out because it cannot be read (a run still writing it, a damaged copy, another schema); without it
+    those lines are warnings.
+    Returns: one :class:`Run` per readable run directory. Raises ``ValueError`` when ``root`` is no directory."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the folder that holds the run directories (e.g. runs/)")
@@ -170,7 +212,8 @@ def find_runs(root: str | Path) -> list[Run]:
     dirs = {d for d in dirs if d.name != ".hydra"}  # Hydra's own copy of the config is not a run
     # the results of a run's export (runs/<name>/hf/eval) belong to the run
     dirs = {d.parent if d.name == "hf" and (d.parent / "config.yaml").is_file() else d for d in dirs}
-    return [load_run(d) for d in sorted(dirs)]
+    runs = (load_run(d, skipped) for d in sorted(dirs))
+    return [r for r in runs if r is not None]
 
 
 def preset_identity(preset: str, conf_dir: Path = CONF_DIR) -> Experiment:

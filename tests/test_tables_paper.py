@@ -1,0 +1,178 @@
+"""eval.tables beside the paper: our Table 2 / Table 3 rows sit beside the published ones only when they followed the
+paper's protocol (RULER on the essays; the JRT truncation at the paper's context), are marked and kept apart in every
+format otherwise; and each field of the comparability check refuses a mismatch on its own."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+from test_tables import lm_values, ruler_values, write_run
+
+from eval.tables import TABLES, SettingsMismatch, Table, build_table, csv_text, find_runs, latex, markdown
+from eval.tables.paper import PAPER_CONTEXT_TOKENS, PAPER_TRUNCATION
+from eval.tables.specs import RETRIEVAL_TASKS
+
+KJV = {"name": "kjv", "source": "kjv", "sha256": "cd34", "paper": False}
+OLD_ESSAYS = {"source": "PaulGrahamEssays.json", "sha256": "9f1e"}  # an older file: no name, no paper flag
+ESSAYS = {"name": "paul_graham_essays", "source": "hub:baber/paul_graham_essays", "sha256": "9f1e", "paper": True}
+HAYSTACK_MARK = "not the paper's haystack"
+RETRIEVAL_MARK = "not the paper's retrieval settings"
+APART = "The paper's published numbers"
+
+
+def ruler_runs(root: Path, haystack: dict[str, Any]) -> list:
+    """750M KDA (seeds 0, 1) and Diagonal KDN (seed 0) with every RULER cell, on ``haystack``."""
+    for name, mixer, seed, base in (("kda_s0", "kda", 0, 40.0), ("kda_s1", "kda", 1, 42.0),
+                                    ("diag_s0", "kdn_diag", 0, 60.0)):
+        write_run(root, name, mixer=mixer, seed=seed, ruler=ruler_values(base), ruler_settings={"haystack": haystack})
+    return find_runs(root)
+
+
+def retrieval_runs(root: Path, settings: dict[str, Any], drop: str | None = None) -> list:
+    """1.3B KDA and Diagonal KDN, recurrent and hybrid, with all six tasks; ``drop``: a settings key left out."""
+    for mixer in ("kda", "kdn_diag"):
+        for pattern in ("recurrent", "hybrid_swa"):
+            run = write_run(root, f"{mixer}_{pattern}", size="1.3b", mixer=mixer, pattern=pattern,
+                            retrieval={t: 30.0 + i for i, t in enumerate(RETRIEVAL_TASKS)},
+                            retrieval_settings=settings)
+            if drop is not None:
+                path = run / "eval" / "retrieval.json"
+                body = json.loads(path.read_text())
+                del body["settings"][drop]
+                path.write_text(json.dumps(body))
+    return find_runs(root)
+
+
+def kinds_by_group(table: Table) -> list[tuple[str, set[str]]]:
+    return [(g.label, {r.kind for r in g.rows}) for g in table.groups]
+
+
+def assert_kept_apart(table: Table, mark: str) -> None:
+    """Our rows with a value are marked; no group mixes ours with the paper's; the paper's groups come last."""
+    groups = kinds_by_group(table)
+    ours = [i for i, (_, k) in enumerate(groups) if k & {"ours", "diff"}]
+    paper = [i for i, (_, k) in enumerate(groups) if "paper" in k]
+    assert paper and ours and max(ours) < min(paper)
+    assert all(k == {"paper"} and label.startswith(APART) for label, k in groups[min(paper):])
+    filled = [r for g in table.groups for r in g.rows if r.kind == "ours" and any(r.cells.values())]
+    assert filled and all(r.note == mark for r in filled)
+    md = markdown(table)
+    assert md.index(APART) > max(md.index(f"| {r.label} ({mark}) |") for r in filled)
+    tex = latex(table)
+    assert tex.index(APART) > max(tex.index(f"{r.label} ({mark}) &") for r in filled)
+    rows = list(csv.reader(io.StringIO(csv_text(table))))[1:]
+    assert {(r[1], r[2]) for r in rows if r[1].endswith(f"({mark})")} == {(f"{r.label} ({mark})", "ours")
+                                                                        for r in filled}
+    assert all(r[0].startswith(APART) for r in rows if r[2] == "paper")
+    assert all(not r.kind == "paper" or not any(c.bold for c in r.cells.values() if c is not None)
+               for g in table.groups for r in g.rows)
+
+
+def assert_placed(table: Table) -> None:
+    """Each of our rows is followed, within its group, by the paper's row of the same model; nothing is marked."""
+    assert not table.notes and not any(g.label.startswith(APART) for g in table.groups)
+    for g in table.groups:
+        labels = [r.label for r in g.rows if r.kind != "diff"]
+        for r in g.rows:
+            assert not r.note
+            if r.kind == "paper":
+                assert labels[labels.index(r.label) - 1] == r.label.removesuffix(" (paper)")
+    md = markdown(table)
+    assert "| Diagonal KDN |" in md and "not the paper's" not in md and APART not in md
+
+
+@pytest.mark.parametrize("haystack", [KJV, {"source": "kjv", "sha256": "cd34"}, OLD_ESSAYS],
+                         ids=["kjv", "kjv_older_file", "essays_older_file"])
+def test_table2_off_the_essays_is_marked_and_kept_apart_in_every_format(tmp_path: Path,
+                                                                        haystack: dict[str, Any]) -> None:
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, haystack), paper=True)
+    assert_kept_apart(table, HAYSTACK_MARK)
+    assert any(f"RULER ran on {haystack.get('name') or haystack['source']}" in n for n in table.notes)
+    assert "RULER ran on" in markdown(table).split("\n\n")[-1]  # the caption says why
+    plain = build_table(TABLES["table2"], find_runs(tmp_path))  # without --paper the rows still say it
+    assert all(r.note == HAYSTACK_MARK for r in plain.groups[0].rows if r.kind == "ours" and any(r.cells.values()))
+
+
+def test_table2_on_the_essays_is_placed_beside_the_paper(tmp_path: Path) -> None:
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, ESSAYS), paper=True)
+    assert_placed(table)
+    rows = [(r.label, r.kind) for r in table.groups[0].rows]
+    i = rows.index(("Diagonal KDN", "ours"))
+    assert rows[i + 1:i + 3] == [("Δ vs KDA", "diff"), ("Diagonal KDN (paper)", "paper")]
+
+
+@pytest.mark.parametrize("change", [{"truncation": "answer_window"}, {"context_tokens": PAPER_CONTEXT_TOKENS + 48},
+                                    "truncation", "context_tokens"],
+                         ids=["truncation", "context_tokens", "truncation_unrecorded", "context_unrecorded"])
+def test_table3_off_the_paper_protocol_is_marked_and_kept_apart(tmp_path: Path, change: Any) -> None:
+    base = {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS}
+    runs = retrieval_runs(tmp_path, {**base, **change} if isinstance(change, dict) else base,
+                          drop=change if isinstance(change, str) else None)
+    table = build_table(TABLES["table3"], runs, paper=True)
+    assert_kept_apart(table, RETRIEVAL_MARK)
+    key = change if isinstance(change, str) else next(iter(change))
+    assert any(f"{key}=" in n for n in table.notes)
+
+
+def test_table3_with_the_paper_protocol_is_placed(tmp_path: Path) -> None:
+    runs = retrieval_runs(tmp_path, {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS})
+    assert_placed(build_table(TABLES["table3"], runs, paper=True))
+
+
+# Every field of the comparability check, by suite; each alone must refuse a table that mixes two values of it.
+SUITE_TABLE = {"lm": "table1", "ruler": "table2", "retrieval": "table3"}
+FIELDS = [("lm", "max_length", 2048), ("lm", "limit", 50), ("lm", "num_fewshot", 5), ("lm", "tokenizer_sha256", "ff"),
+          ("ruler", "samples_per_cell", 500), ("ruler", "seed", 7), ("ruler", "haystack.sha256", "ef56"),
+          ("ruler", "tokenizer_sha256", "ff"), ("ruler", "max_new_tokens", 64),
+          ("retrieval", "truncation", "answer_window"), ("retrieval", "context_tokens", 4096),
+          ("retrieval", "limit", 50), ("retrieval", "max_new_tokens", 64), ("retrieval", "tokenizer_sha256", "ff")]
+
+
+def comparable_pair(root: Path) -> list[Path]:
+    """Two runs (KDA and Diagonal KDN, 1.3B recurrent) with every suite, agreeing on every setting."""
+    return [write_run(root, name, size="1.3b", mixer=mixer, lm=lm_values(16.0, 50.0), ruler=ruler_values(50.0),
+                      retrieval={t: 30.0 for t in RETRIEVAL_TASKS}, ruler_settings={"haystack": ESSAYS})
+            for name, mixer in (("kda", "kda"), ("diag", "kdn_diag"))]
+
+
+def set_setting(run: Path, suite: str, key: str, value: Any) -> None:
+    path = run / "eval" / f"{suite}.json"
+    body = json.loads(path.read_text())
+    *parents, last = key.split(".")
+    node = body["settings"]
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    path.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize(("suite", "key", "value"), FIELDS, ids=[f"{s}.{k}" for s, k, _ in FIELDS])
+def test_each_setting_alone_refuses_a_mixed_table(tmp_path: Path, suite: str, key: str, value: Any) -> None:
+    _, diag = comparable_pair(tmp_path)
+    for tid in SUITE_TABLE.values():
+        build_table(TABLES[tid], find_runs(tmp_path))  # agreeing runs tabulate
+    set_setting(diag, suite, key, value)
+    runs = find_runs(tmp_path)
+    with pytest.raises(SettingsMismatch, match=rf"{SUITE_TABLE[suite]} mixes {suite} results with different "
+                                               rf"settings\.{key}: .*{re.escape(repr(value))} \(\S*diag\)"):
+        build_table(TABLES[SUITE_TABLE[suite]], runs)
+    for other in set(SUITE_TABLE.values()) - {SUITE_TABLE[suite]}:
+        build_table(TABLES[other], runs)  # the tables that read other suites are unaffected
+
+
+def test_data_seed_alone_refuses_and_absent_or_meaningless_keys_agree(tmp_path: Path) -> None:
+    kda, diag = comparable_pair(tmp_path)
+    set_setting(kda, "ruler", "max_length", 128)  # lm-eval's value, unused by RULER's own prompts
+    set_setting(diag, "ruler", "lengths", [1024, 2048])  # recorded by one file only: not a number-changing key
+    build_table(TABLES["table2"], find_runs(tmp_path))
+    cfg = OmegaConf.load(diag / "config.yaml")
+    cfg.data.seed = 1
+    OmegaConf.save(cfg, diag / "config.yaml")
+    with pytest.raises(SettingsMismatch, match="data.seed"):
+        build_table(TABLES["table1"], find_runs(tmp_path))
