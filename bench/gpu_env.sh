@@ -15,10 +15,13 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang}
 
 gpu_prepare() {
-  local wheels=${WHEELS:-.whl} sites=${SITES:-.site} t
-  if ls "$wheels"/*.whl "$sites"/*.tar.xz >/dev/null 2>&1; then
+  local wheels=${WHEELS:-.whl} sites=${SITES:-.site} t have_wheels=0 have_sites=0
+  # each kind is tested on its own: one ls of both globs fails as soon as either matches nothing
+  compgen -G "$wheels/*.whl" >/dev/null && have_wheels=1
+  compgen -G "$sites/*.tar.xz" >/dev/null && have_sites=1
+  if [ "$have_wheels" = 1 ] || [ "$have_sites" = 1 ]; then
     if [ -z "${GPU_PREPARED:-}" ]; then
-      if ls "$wheels"/*.whl >/dev/null 2>&1; then
+      if [ "$have_wheels" = 1 ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
           "$wheels"/*.whl || return 1
       fi
@@ -32,7 +35,10 @@ gpu_prepare() {
   fi
   [ -n "${GPU_PREPARED:-}" ] && return 0
   mkdir -p "$TRITON_CACHE_DIR"
-  for t in bench/triton_cache/*.tgz; do tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR" || return 1; done
+  for t in bench/triton_cache/*.tgz; do
+    [ -e "$t" ] || continue
+    tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR" || return 1
+  done
   mkdir -p "$TILELANG_CACHE_DIR"
   for t in bench/tilelang_cache/*.tgz; do [ -e "$t" ] && tar xzf "$t" -C "$TILELANG_CACHE_DIR"; done
   return 0

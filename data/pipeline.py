@@ -20,6 +20,7 @@ the untruncated chunks that fit and recomputes the rest. A kept chunk whose shar
 from __future__ import annotations
 
 import dataclasses
+import errno
 import faulthandler
 import multiprocessing as mp
 import os
@@ -43,6 +44,8 @@ from data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer
 _VAL_SALT = 0x56414C  # "VAL"
 _OWN_FILE = re.compile(r"^((train|val)-\d{5}\.bin|meta\.json)(\.\d+\.tmp)?$")  # files prepare writes
 _ENCODE_BATCH = 512
+FILE_SOURCES = ("parquet", "jsonl", "text")  # the sources that read `paths=`
+MIN_VAL_TOKENS = 10_000  # below this a validation loss is mostly noise (about ten 1K-token windows)
 
 
 @dataclass
@@ -83,9 +86,24 @@ def default_out_dir(cfg: PrepareConfig) -> Path:
     return Path("data/cache") / f"{tag}-{tok}"
 
 
+def _file_source_for(paths: str) -> str:
+    """The file source that reads `paths`, guessed from the first glob's extension."""
+    first = paths.split(",")[0].strip().lower()
+    if first.endswith(".parquet"):
+        return "parquet"
+    if first.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    return "text"
+
+
 def _validate(cfg: PrepareConfig) -> None:
     if cfg.source not in SOURCES:
         raise ValueError(f"unknown source={cfg.source!r}; choose one of {', '.join(SOURCES)}")
+    if cfg.paths.strip() and cfg.source not in FILE_SOURCES:
+        guess = _file_source_for(cfg.paths)
+        raise ValueError(f"paths={cfg.paths!r} is read only by source={'|'.join(FILE_SOURCES)}, but source is "
+                         f"{cfg.source!r}; add source={guess} (e.g. python -m data.prepare source={guess} "
+                         f"paths='{cfg.paths}')")
     if cfg.val_fraction is not None and not 0.0 <= cfg.val_fraction < 1.0:
         raise ValueError(f"val_fraction={cfg.val_fraction} must lie in [0, 1)")
     if cfg.docs_per_shard < 1:
@@ -299,7 +317,21 @@ def prepare(cfg: PrepareConfig) -> Path:
     meta["complete"] = True
     meta["budget_reached"] = budget is not None and meta["counts"]["train_tokens"] >= budget
     write_json(out_dir / META, meta)
+    if cfg.val_fraction > 0 and (warning := small_val_warning(meta, cfg)):
+        print(f"prepare: warning: {out_dir}: {warning}", file=sys.stderr)
     return out_dir
+
+
+def small_val_warning(meta: dict, cfg: PrepareConfig) -> str | None:
+    """One line when the validation split of a prepared directory is empty or under `MIN_VAL_TOKENS`, else None."""
+    c = meta["counts"]
+    if c["val_tokens"] >= MIN_VAL_TOKENS:
+        return None
+    per = {"text": " (source=text makes one document per file)", "jsonl": " (one per line)"}.get(cfg.source, "")
+    held = (f"is empty: none of the {c['source_documents']:,} documents was held out" if c["val_tokens"] == 0 else
+            f"holds only {c['val_tokens']:,} tokens ({c['val_documents']:,} of {c['source_documents']:,} documents)")
+    return (f"the validation split {held} at val_fraction={cfg.val_fraction}, too few for a meaningful validation "
+            f"loss; give more documents{per} or raise val_fraction=")
 
 
 def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str, out_dir: Path, meta: dict,
@@ -337,7 +369,11 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
             res = _truncate(out_dir, res, budget - have)
         chunks.append(_chunk_entry(res))
         _recount(meta)
-        write_json(out_dir / META, meta)
+        try:
+            write_json(out_dir / META, meta)
+        except OSError:  # meta.json still lists the chunks before this one: its shards go with the stray files
+            chunks.pop()
+            raise
         n_docs += res["documents"]
         bar.update(meta["counts"]["train_tokens"] - bar.n)
         bar.set_postfix_str(f"{n_docs / (time.perf_counter() - t0):,.0f} docs/s")
@@ -413,6 +449,19 @@ def config_from_overrides(overrides: list[str]) -> PrepareConfig:
     return PrepareConfig(**values)
 
 
+def os_error_line(e: OSError) -> str:
+    """One line naming the file, the system's reason and the fix of an OSError raised while preparing."""
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there or pass out_dir= on a disk with room"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "pass an out_dir= you can write to (or fix the permissions)"
+    else:
+        fix = "fix the cause"
+    return (f"{where}{e.strerror or e}; {fix}, then run the same command again (finished chunks are kept, nothing "
+            "half-written is)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: parse overrides, prepare, print a summary; returns the exit status (2 on bad input)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -427,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only or foreign directory: one line, the finished chunks kept
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     meta = read_meta(out)
     c = meta["counts"]
     print(f"{out}: {c['train_tokens']:,} train tokens / {c['train_documents']:,} docs, {c['val_tokens']:,} val "

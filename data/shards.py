@@ -55,27 +55,31 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.tmp")
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` to a temp file beside `path`, fsync, rename. A failed write (a full disk) removes the temp file and
+    raises an OSError whose filename is `path`, also when the system named no file."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+
+
 def write_array(path: Path, tokens: np.ndarray) -> str:
     """Write `tokens` to `path` via a temp file + fsync + rename; returns its SHA-256."""
-    tmp = temp_path(path)
     data = np.ascontiguousarray(tokens).tobytes()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
 def write_json(path: Path, obj: dict) -> None:
     """Atomic JSON write (temp file, fsync, rename)."""
-    tmp = temp_path(path)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 def read_meta(shard_dir: str | os.PathLike) -> dict:

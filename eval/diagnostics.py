@@ -1,7 +1,9 @@
 """Uncertainty diagnostics of trained mixers (Fig. 2, Table 6 and the filter's calibration).
 
 ``python -m eval.diagnostics MODEL [MODEL...] [--out DIR] [--shards DIR] [--n-seqs 8] [--seq-len 2048]``
-(MODEL: a run directory or its ``hf/`` export) writes into ``--out``:
+(MODEL: a run directory or its ``hf/`` export) writes into ``--out`` (default: ``diagnostics/`` in the first
+MODEL's run directory), with a progress bar on a terminal and a line per step (and every 30 s within a long one)
+otherwise:
 - ``beta_eff.png/.pdf``: the density of ``beta_eff = k^T kappa`` over layers, heads and tokens, one panel per model,
   the mean marked (``--at-init``: a first row of the same configurations freshly initialised, as in Fig. 2);
   ``beta_eff.md/.csv``: the means and quantiles (``--paper``: with the paper's means);
@@ -22,9 +24,11 @@ import argparse
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor
@@ -39,6 +43,7 @@ DEFAULT_SHARDS = Path("data/cache/embedded-kjv-val10-mistral-v1")  # conf/data/e
 MU_SWEEP = ("1", "sqrt", "dk", "4dk")
 SAMPLE = 4096  # values kept per head and quantity for the distributions
 QUANTILES = (0.1, 0.5, 0.9)
+TICK_TOKENS = 64  # the float64 loop reports its progress this often
 
 
 @dataclass
@@ -95,10 +100,10 @@ def set_mu(layer: torch.nn.Module, choice: str) -> str:
 
 
 @torch.no_grad()
-def filter_trace(t: FilterTerms) -> dict[str, Tensor]:
+def filter_trace(t: FilterTerms, tick: Callable[[int, int], None] | None = None) -> dict[str, Tensor]:
     """The recurrence token by token in float64. Returns ``nis``, ``beta_eff``, ``z``, ``r`` ``[B,T,H]``, the
     posterior uncertainty ``unc`` (``[B,T,H,K]`` diag, ``[B,T,H]`` iso; absent for delta rules) and the final
-    memory ``S [B,H,K,V]``."""
+    memory ``S [B,H,K,V]``. ``tick(done, T)`` is called every ``TICK_TOKENS`` tokens and at the end."""
     k, v, a = t.k, t.v, t.g.exp()
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -134,6 +139,8 @@ def filter_trace(t: FilterTerms) -> dict[str, Tensor]:
         if u is not None:
             out["unc"].append(u)
         S = S_hat + kappa[..., None] * delta[..., None, :]
+        if tick is not None and ((i + 1) % TICK_TOKENS == 0 or i + 1 == T):
+            tick(i + 1, T)
     res = {name: torch.stack(xs, 1) for name, xs in out.items() if xs}
     res["S"] = S
     return res
@@ -159,9 +166,11 @@ def mixers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 
 
 @torch.no_grad()
-def filter_stats(model: torch.nn.Module, ids: Tensor) -> dict[int, dict[str, Tensor]]:
+def filter_stats(model: torch.nn.Module, ids: Tensor,
+                 tick: Callable[[int, int, int], None] | None = None) -> dict[int, dict[str, Tensor]]:
     """Per layer with a filter: per-head samples ``[H, m]`` of ``nis``, ``beta_eff``, ``r``, ``omega`` and ``unc``
-    (``p`` or ``b``), from one forward pass over ``ids [B, T]`` (forward pre-hooks on the mixers)."""
+    (``p`` or ``b``), from one forward pass over ``ids [B, T]`` (forward pre-hooks on the mixers); ``tick(layer,
+    done, T)`` reports the float64 loop's progress."""
     found: dict[int, dict[str, Tensor]] = {}
     gen = torch.Generator().manual_seed(0)
 
@@ -171,7 +180,7 @@ def filter_stats(model: torch.nn.Module, ids: Tensor) -> dict[int, dict[str, Ten
             terms = layer_terms(module, x)
             if terms is None:
                 return
-            tr = filter_trace(terms)
+            tr = filter_trace(terms, None if tick is None else lambda done, T: tick(idx, done, T))
             rec = {"kind": terms.kind, "nis": _per_head(tr["nis"], gen), "beta_eff": _per_head(tr["beta_eff"], gen),
                    "nis_mean": tr["nis"].mean(dim=(0, 1)).float().cpu()}
             if terms.kind != "delta":
@@ -215,15 +224,78 @@ def paper_key(model: torch.nn.Module) -> str | None:
     return key if key in BETA_EFF_MEANS else None
 
 
-def probe_shards(shards: str | None) -> Path:
-    """``shards`` or the offline default, prepared from the embedded corpus on first use (10% held out)."""
+def probe_shards(shards: str | None, stream: TextIO | None = None, default: Path = DEFAULT_SHARDS) -> Path:
+    """``shards`` or the offline ``default``, prepared from the embedded corpus on first use (10% held out), which is
+    announced on ``stream`` (default: stderr) with the folder it goes to."""
     if shards is not None:
         return Path(shards)
-    if not (DEFAULT_SHARDS / "meta.json").is_file():
+    if not (default / "meta.json").is_file():
         from data import PrepareConfig, prepare
 
-        prepare(PrepareConfig(source="embedded", val_fraction=0.1, out_dir=str(DEFAULT_SHARDS), progress=False))
-    return DEFAULT_SHARDS
+        stream = stream or sys.stderr
+        print(f"diagnostics: preparing the probe shards (the embedded corpus, 10% held out) in {default}; done "
+              "once, later runs reuse them (or pass --shards DIR)", file=stream, flush=True)
+        prepare(PrepareConfig(source="embedded", val_fraction=0.1, out_dir=str(default), progress=stream.isatty()))
+    return default
+
+
+def default_out(model: str | Path) -> Path:
+    """``<run dir>/diagnostics`` of ``model`` (a run directory or its ``hf/`` export)."""
+    path = resolve_model(model)
+    return (path.parent if path.name == "hf" else path) / "diagnostics"
+
+
+class Progress:
+    """The steps of a diagnostics run on ``stream``: a tqdm bar on a terminal, else a line when a step starts and
+    one at most every ``every_s`` seconds within it (e.g. the float64 loop), each with the elapsed time."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, every_s: float = 30.0) -> None:
+        from tqdm.auto import tqdm
+
+        self.stream = stream or sys.stderr
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.t0 = self.last = time.perf_counter()
+        self.what = ""
+        self.bar = tqdm(total=total, file=self.stream, desc="diagnostics", unit="step", dynamic_ncols=True,
+                        bar_format="{desc}: {n:.1f}/{total} steps |{bar}| {elapsed}<{remaining} {postfix}",
+                        ) if self.stream.isatty() else None
+
+    def _line(self, text: str) -> None:
+        self.last = time.perf_counter()
+        print(f"diagnostics [{self.done}/{self.total}] {text} ({self.last - self.t0:.0f} s)", file=self.stream,
+              flush=True)
+
+    def start(self, what: str) -> None:
+        """Begin the next step (the previous one counts as done)."""
+        if self.what:
+            self.done += 1
+        self.what = what
+        if self.bar is not None:
+            self.bar.n = self.done
+            self.bar.set_postfix_str(what)
+        else:
+            self._line(what)
+
+    def within(self, fraction: float, detail: str) -> None:
+        """``fraction`` (0..1) of the current step is done."""
+        if self.bar is not None:
+            self.bar.n = self.done + fraction
+            self.bar.set_postfix_str(f"{self.what}: {detail}")
+        elif time.perf_counter() - self.last >= self.every_s:
+            self._line(f"{self.what}: {detail}")
+
+    def layer_tick(self, n_layers: int) -> Callable[[int, int, int], None]:
+        """A ``filter_stats`` tick ``(layer, done, T)`` that reports the loop's share of the current step."""
+        def tick(layer: int, done: int, total: int) -> None:
+            self.within((layer + done / total) / n_layers, f"layer {layer + 1}/{n_layers}, token {done}/{total}")
+        return tick
+
+    def close(self) -> None:
+        """Every step is done."""
+        self.done = self.total
+        if self.bar is not None:
+            self.bar.n = self.done
+            self.bar.close()
 
 
 def probe_ids(shard_dir: Path, n_seqs: int, seq_len: int, device: torch.device) -> Tensor:
@@ -234,15 +306,19 @@ def probe_ids(shard_dir: Path, n_seqs: int, seq_len: int, device: torch.device) 
     return batch["input_ids"].to(device)
 
 
-def mu_intervention(model: torch.nn.Module, shard_dir: Path, n_seqs: int, seq_len: int) -> dict[str, float]:
-    """Mean ``beta_eff`` of the same weights at each mu of ``MU_SWEEP`` (every KDN layer changed, then restored)."""
+def mu_intervention(model: torch.nn.Module, shard_dir: Path, n_seqs: int, seq_len: int,
+                    tick: Callable[[int, str], None] | None = None) -> dict[str, float]:
+    """Mean ``beta_eff`` of the same weights at each mu of ``MU_SWEEP`` (every KDN layer changed, then restored);
+    ``tick(i, mu)`` is called before the ``i``-th mu's probe."""
     layers = [m for _, m in mixers(model) if isinstance(m, (kdn.DiagonalKDN, kdn.IsotropicKDN))]
     if not layers:
         raise ValueError(f"the mu intervention needs a KDN model; {model.config.mixer!r} has no mu")
     before = [set_mu(m, MU_SWEEP[0]) for m in layers]
     out = {}
     try:
-        for choice in MU_SWEEP:
+        for i, choice in enumerate(MU_SWEEP):
+            if tick is not None:
+                tick(i, choice)
             for m in layers:
                 set_mu(m, choice)
             out[choice] = summarize(probe_beta_eff(model, shard_dir, n_seqs=n_seqs, seq_len=seq_len))["pooled"]["mean"]
@@ -344,18 +420,21 @@ def _clean(x: Any) -> Any:
 
 def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int = 8, seq_len: int = 2048,
         filter_seqs: int = 2, filter_len: int | None = None, intervene: str | None = None, paper: bool = False,
-        at_init: bool = False, device: str = "auto") -> dict[str, Any]:
+        at_init: bool = False, device: str = "auto", stream: TextIO | None = None,
+        progress_every_s: float = 30.0) -> dict[str, Any]:
     """Every diagnostic of the module docstring, written into ``out``.
 
     Args: ``models_``: run or hf directories; ``shards``: token shards with a ``val`` split (``None``: the offline
     default); ``n_seqs x seq_len``: the ``beta_eff`` probe; ``filter_seqs x filter_len``: its part that the float64
-    loop runs on; ``intervene``: the model of the mu sweep (``None``: the first KDN model).
+    loop runs on; ``intervene``: the model of the mu sweep (``None``: the first KDN model); ``stream``: where the
+    progress goes (default stderr), a line at most every ``progress_every_s`` seconds within a step off a terminal.
     Returns: what ``diagnostics.json`` holds (per model: ``beta_eff`` summary, per layer and head filter statistics;
     ``mu_intervention``)."""
     from eval.harness import load_model
 
     out.mkdir(parents=True, exist_ok=True)
-    shard_dir = probe_shards(shards)
+    shard_dir = probe_shards(shards, stream)
+    progress = Progress(len(models_) * (4 if at_init else 3) + 2, stream, progress_every_s)
     report: dict[str, Any] = {"probe": {"shards": str(shard_dir), "n_seqs": n_seqs, "seq_len": seq_len,
                                         "filter_seqs": filter_seqs, "filter_len": filter_len or seq_len},
                               "models": {}}
@@ -365,6 +444,7 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
     target: tuple[str, torch.nn.Module] | None = None
     for spec in models_:
         path = resolve_model(spec)
+        progress.start(f"loading {path}")
         model, _ = load_model(path, device=device)
         label = model_label(path, model)
         if label in report["models"]:
@@ -373,9 +453,11 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
         if int(ids.max()) >= model.config.vocab_size:
             raise ValueError(f"{shard_dir} holds token ids up to {int(ids.max())} but {path} has a vocabulary of "
                              f"{model.config.vocab_size}; pass --shards prepared with the model's tokenizer")
+        progress.start(f"{label}: beta_eff probe, {n_seqs} x {seq_len} tokens")
         betas[label] = probe_beta_eff(model, shard_dir, n_seqs=n_seqs, seq_len=seq_len)
         summary = summarize(betas[label])
-        stats = filter_stats(model, ids[:filter_seqs, :filter_len or seq_len])
+        progress.start(f"{label}: float64 filter loop, {filter_seqs} x {filter_len or seq_len} tokens per layer")
+        stats = filter_stats(model, ids[:filter_seqs, :filter_len or seq_len], progress.layer_tick(len(mixers(model))))
         report["models"][label] = {"path": str(path), "mixer": model.config.mixer, "beta_eff": summary, "filter": {
             str(i): {q: [_stats(h) for h in st[q]] for q in ("nis", "beta_eff", "unc", "r", "omega") if q in st}
             for i, st in stats.items()}}
@@ -386,6 +468,7 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
             nis_rows.append([label, str(i), st["kind"], f"{sum(heads) / len(heads):.3g}",
                              f"{float(st['nis'].median()):.3g}", f"{min(heads):.3g}", f"{max(heads):.3g}"])
         if at_init:
+            progress.start(f"{label}: beta_eff probe at initialisation")
             init[label] = probe_beta_eff(fresh_copy(model), shard_dir, n_seqs=n_seqs, seq_len=seq_len)
             report["models"][label]["beta_eff_at_init"] = summarize(init[label])
             mean_rows.append(_row(f"{label}, at initialisation", report["models"][label]["beta_eff_at_init"],
@@ -396,6 +479,7 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
             target = (label, model)
     if intervene is not None and target is None:
         raise ValueError(f"--intervene {intervene} is not one of the MODEL arguments")
+    progress.start(f"figures and tables in {out}")
     density_figure(betas, out, init or None)
     header = ["model", "mean", "q10", "q50", "q90", "share >= 0.9"] + (["paper mean"] if paper else [])
     for name, table in (("beta_eff", _table(header, mean_rows)), ("filter", _table(
@@ -403,7 +487,9 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
         write_atomic(out / f"{name}.md", table[0])
         write_atomic(out / f"{name}.csv", table[1])
     if target is not None:
-        sweep = mu_intervention(target[1], shard_dir, n_seqs, seq_len)
+        progress.start(f"mu intervention on {target[0]}")
+        sweep = mu_intervention(target[1], shard_dir, n_seqs, seq_len,
+                                lambda i, mu: progress.within(i / len(MU_SWEEP), f"mu={mu}"))
         report["mu_intervention"] = {"model": target[0], "mean_beta_eff": sweep}
         rows = [[c, f"{v:.3f}"] + ([f"{MU_INTERVENTION[c]:.3f}"] if paper else []) for c, v in sweep.items()]
         md, csv = _table(["mu", "mean beta_eff"] + (["paper"] if paper else []), rows)
@@ -412,6 +498,7 @@ def run(models_: list[str], out: Path, *, shards: str | None = None, n_seqs: int
         write_atomic(out / "mu_intervention.md", f"{note}\n\n{md}")
         write_atomic(out / "mu_intervention.csv", csv)
     write_atomic(out / "diagnostics.json", json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
+    progress.close()
     return report
 
 
@@ -419,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = __doc__ or ""
     ap = argparse.ArgumentParser(prog="python -m eval.diagnostics", description=doc.split("\n\n")[0])
     ap.add_argument("models", nargs="+", help="run directories (runs/<name>) or exported hf/ directories")
-    ap.add_argument("--out", default="diagnostics", help="output folder (default: diagnostics/)")
+    ap.add_argument("--out", help="output folder (default: diagnostics/ in the first MODEL's run directory)")
     ap.add_argument("--shards", help=f"token shard directory with a val split (default: {DEFAULT_SHARDS}, "
                                      "prepared from the embedded corpus on first use)")
     ap.add_argument("--n-seqs", type=int, default=8, help="probe sequences (default 8)")
@@ -436,14 +523,19 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be >= 1, got {v}")
     if a.filter_seqs > a.n_seqs or (a.filter_len is not None and not 1 <= a.filter_len <= a.seq_len):
         ap.error("--filter-seqs must be <= --n-seqs and --filter-len within 1..--seq-len")
-    report = run(a.models, Path(a.out), shards=a.shards, n_seqs=a.n_seqs, seq_len=a.seq_len,
+    try:
+        out = Path(a.out) if a.out else default_out(a.models[0])
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"diagnostics: writing into {out}/", file=sys.stderr, flush=True)
+    report = run(a.models, out, shards=a.shards, n_seqs=a.n_seqs, seq_len=a.seq_len,
                  filter_seqs=a.filter_seqs, filter_len=a.filter_len, intervene=a.intervene, paper=a.paper,
                  at_init=a.at_init, device=a.device)
     for label, m in report["models"].items():
         print(f"{label}: mean beta_eff {m['beta_eff']['pooled']['mean']:.3f}")
     if "mu_intervention" in report:
         print("mu intervention:", report["mu_intervention"]["mean_beta_eff"])
-    print(f"wrote {a.out}/")
+    print(f"wrote {out}/")
     return 0
 
 

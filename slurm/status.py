@@ -1,24 +1,22 @@
-"""Each run of a sweep: pending, running, finished, failed or not submitted, with its last logged step and loss.
+"""Each run of a sweep: pending, running, finished, failed or not submitted, with its last logged step and loss,
+and every job submitted for it with SLURM's state of each.
 
     python -m slurm.status table4_mu [seeds=3] [cluster.runs_root=DIR]
 
 Read from the run directories (``submit/jobs.jsonl``, ``checkpoints/``, ``metrics.jsonl``) and, where SLURM's
-``squeue`` and ``sacct`` are on PATH, from the scheduler.
+``squeue`` and ``sacct`` are on PATH, from the scheduler. A run with more than one queued or running job is named
+on stderr with the ``scancel`` that leaves one.
 """
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from slurm.cluster import load_cluster
+from slurm.jobs import ACTIVE, active_jobs, job_states
 from slurm.sweep import parse, shown
 from slurm.sweeps import ROOT, SweepError, expand, is_finished
-
-_ACTIVE = {"PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "pending", "RUNNING": "running",
-           "COMPLETING": "running", "SUSPENDED": "running"}
 
 
 def last_record(metrics: Path) -> dict | None:
@@ -36,37 +34,27 @@ def last_record(metrics: Path) -> dict | None:
     return last
 
 
-def scheduler_state(job_id: str) -> str | None:
-    """SLURM's state of ``job_id`` (squeue for live jobs, then sacct), or None without SLURM's tools."""
-    if shutil.which("squeue"):
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
-        if out.strip():
-            return out.split()[0]
-    if shutil.which("sacct"):
-        out = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True,
-                             text=True).stdout
-        if out.strip():
-            return out.split()[0].rstrip("+")
-    return None
-
-
-def run_state(run_dir: Path) -> dict:
-    """``{"state", "job", "slurm", "step", "loss"}`` of one run directory."""
-    jobs = run_dir / "submit" / "jobs.jsonl"
-    job_id = json.loads(jobs.read_text().splitlines()[-1])["job_id"] if jobs.is_file() else None
-    slurm = scheduler_state(job_id) if job_id else None
+def run_state(run_dir: Path, kind: str = "train") -> dict:
+    """``{"state", "job", "slurm", "jobs", "step", "loss"}`` of one run directory: ``jobs`` lists ``(job id, SLURM
+    state or None)`` of every job of ``kind`` submitted for it, oldest first; ``job`` and ``slurm`` are the live one
+    (the oldest when several are live), else the newest."""
+    jobs = job_states(run_dir, kind)
+    live = active_jobs(jobs)
+    job_id, slurm = live[0] if live else (jobs[-1] if jobs else (None, None))
     rec = last_record(run_dir / "metrics.jsonl")
-    if is_finished(run_dir):
+    if kind == "train" and is_finished(run_dir):
         state = "finished"
     elif job_id is None:
         state = "not submitted"
-    elif slurm in _ACTIVE:
-        state = _ACTIVE[slurm]
+    elif live:
+        state = "running" if any(ACTIVE[s] == "running" for _, s in live) else "pending"
     elif slurm is None:
         state = "submitted"  # no scheduler to ask (e.g. read from another machine)
+    elif slurm == "COMPLETED" and kind == "eval":
+        state = "finished"
     else:
         state = "failed"
-    return {"state": state, "job": job_id, "slurm": slurm, "step": rec and rec.get("step"),
+    return {"state": state, "job": job_id, "slurm": slurm, "jobs": jobs, "step": rec and rec.get("step"),
             "loss": rec and rec.get("loss")}
 
 
@@ -79,12 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{'run':<48} {'state':<14} {'job':>10} {'slurm':<11} {'step':>8} {'loss':>8}")
+    print(f"{'run':<48} {'state':<14} {'job':>10} {'slurm':<11} {'step':>8} {'loss':>8}  every job (id:state)")
+    duplicates = []
     for job in jobs:
-        s = run_state(job.run_dir)
+        s = run_state(job.run_dir, job.kind)
         loss = f"{s['loss']:.4f}" if isinstance(s["loss"], float) else "-"
+        every = ",".join(f"{j}:{state or '?'}" for j, state in s["jobs"]) or "-"
         print(f"{shown(job.run_dir):<48} {s['state']:<14} {s['job'] or '-':>10} {s['slurm'] or '-':<11} "
-              f"{s['step'] if s['step'] is not None else '-':>8} {loss:>8}")
+              f"{s['step'] if s['step'] is not None else '-':>8} {loss:>8}  {every}")
+        live = active_jobs(s["jobs"])
+        if len(live) > 1:
+            duplicates.append(f"{shown(job.run_dir)} has {len(live)} live jobs ({', '.join(j for j, _ in live)}); "
+                              f"keep the oldest: scancel {' '.join(j for j, _ in live[1:])}")
+    for line in duplicates:
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

@@ -1,20 +1,23 @@
 """Check, render, freeze and submit one job.
 
-At first submission the composed training config, the git commit and the rendered batch script are frozen into
-``<run_dir>/submit/``; a later submission of the same run (a resubmit after a failure, or the same sweep command
-again) must compose to the same config, or it is refused with the differing keys unless ``force=true``.
+At the first accepted submission the composed training config, the git commit and the rendered batch script are
+frozen into ``<run_dir>/submit/``; a later submission of the same run (a resubmit after a failure, or the same sweep
+command again) must compose to the same config, or it is refused with the differing keys unless ``force=true``. A
+submission that sbatch did not accept freezes nothing. Every accepted job id is recorded in the run's ledger
+(``slurm.jobs``), and a run with a queued or running job is skipped, so the same command twice submits nothing twice.
 """
 from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from slurm.cluster import ClusterConfig
+from slurm.jobs import ACTIVE, active_jobs, job_states, record_job
 from slurm.sweeps import ROOT, Job, SweepError, is_finished
 
 PAPER_VOCAB = 32_000  # the FLOPs estimate of the timeout check assumes the paper's vocabulary
@@ -28,7 +31,7 @@ class Plan:
     script: str
     config: dict | None  # the composed training config (None for evaluation jobs)
     total_steps: int | None
-    skip: str | None  # why the job is not submitted (finished), or None
+    skip: str | None  # why the job is not submitted (finished, or its queued or running job), or None
 
 
 def compose_train(overrides: tuple[str, ...]) -> tuple[dict, object]:
@@ -106,7 +109,7 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
     """Check ``job`` against the cluster and against what its run directory froze at first submission."""
     if job.kind == "eval":
-        return Plan(job, render(job, cluster), None, None, None)
+        return Plan(job, render(job, cluster), None, None, live_job(job))
     config, cfg = compose_train(job.overrides)
     total = check_budget(job, cfg, cluster)
     frozen = job.run_dir / "submit" / "config.json"
@@ -115,37 +118,50 @@ def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
         if diff:
             raise SweepError(f"{job.name}: {job.run_dir} was submitted with another config ({'; '.join(diff[:6])}"
                              f"{'; ...' if len(diff) > 6 else ''}); use a new sweep name or force=true")
-    skip = "finished" if is_finished(job.run_dir) else None
+    skip = "finished" if is_finished(job.run_dir) else live_job(job)
     return Plan(job, render(job, cluster), config, total, skip)
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def live_job(job: Job) -> str | None:
+    """``"running: job N"`` / ``"pending: job N"`` when a recorded job of ``job``'s kind is still queued or running
+    (every such job is named), else None."""
+    live = active_jobs(job_states(job.run_dir, job.kind))
+    if not live:
+        return None
+    return ", ".join(f"{ACTIVE[state]}: job {job_id}" for job_id, state in live)
 
 
 def submit(p: Plan) -> str:
-    """Freeze the job into ``<run_dir>/submit/`` and ``sbatch`` it; returns the job id."""
+    """``sbatch`` the job and, once sbatch has accepted it, freeze it into ``<run_dir>/submit/`` and record its id;
+    returns the job id. A refused submission leaves the run directory as it was."""
     from eval.results import git_commit
     from trainer.checkpoint import write_json_atomic
 
+    if shutil.which("sbatch") is None:
+        raise SweepError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run")
     out = p.job.run_dir / "submit"
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first: removed again if sbatch refuses
     out.mkdir(parents=True, exist_ok=True)
     script = out / f"{p.job.kind}.sbatch"
-    _write(script, p.script)
+    pending = script.with_name(f"{script.name}.pending")
+    pending.write_text(p.script)
+    try:
+        res = subprocess.run(["sbatch", "--parsable", str(pending)], capture_output=True, text=True)
+    except OSError as e:
+        res = subprocess.CompletedProcess(e.filename or "sbatch", 127, "", str(e))
+    job_id = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not job_id:
+        pending.unlink(missing_ok=True)
+        for d in created:
+            d.rmdir()
+        why = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}, no job id"])[-1]
+        raise SweepError(f"{p.job.name}: sbatch refused the job ({why}); nothing was frozen: fix the cause and run "
+                         "the same command again")
+    pending.replace(script)
     if p.config is not None:
         write_json_atomic(out / "config.json", p.config)
         write_json_atomic(out / "job.json", {
             "sweep": p.job.sweep, "experiment": p.job.experiment, "seed": p.job.seed,
             "overrides": list(p.job.overrides), "total_steps": p.total_steps, "git_commit": git_commit() or "unknown"})
-    try:
-        res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-    except FileNotFoundError as e:
-        raise SweepError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run") from e
-    if res.returncode != 0:
-        raise SweepError(f"{p.job.name}: sbatch failed: {res.stderr.strip().splitlines()[-1:]}")
-    job_id = res.stdout.strip().split(";")[0]
-    with open(out / "jobs.jsonl", "a") as f:
-        f.write(json.dumps({"job_id": job_id, "kind": p.job.kind}) + "\n")
+    record_job(p.job.run_dir, {"job_id": job_id, "kind": p.job.kind})
     return job_id

@@ -11,7 +11,8 @@ Arguments: ``seeds=N`` (training seeds per experiment, default 1), ``force=true`
 changed since its first submission; add ``resume=force`` for train.py to adopt the change in a run that has
 checkpoints), ``of=SWEEP`` (the eval sweep's training sweep), ``cluster.KEY=VALUE`` (conf/slurm/cluster.yaml); every
 other ``key=value`` is a Hydra override of train.py (or of evaluate.py for the eval sweep). Finished runs are
-skipped.
+skipped, and so are runs with a queued or running job (every submitted job id is recorded in the run directory's
+``submit/jobs.jsonl`` and asked of ``squeue``/``sacct``), so running the same command twice submits nothing twice.
 """
 from __future__ import annotations
 

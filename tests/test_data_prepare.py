@@ -1,6 +1,7 @@
 """`data.prepare`: shards, metadata, splits, budget, multiprocessing, resume, sources and bad input."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -293,7 +294,7 @@ def test_cli_overrides_and_errors(tmp_path, capsys):
     write_jsonl(tmp_path / "d.jsonl", make_docs(20, seed=6))
     proc = subprocess.run([sys.executable, "-m", "data.prepare", "source=jsonl", f"paths={tmp_path}/d.jsonl",
                            f"out_dir={tmp_path}/cli", "max_tokens=1000", "num_workers=2", "docs_per_shard=4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=__import__("conftest").timeout_s(120))
     assert proc.returncode == 0, proc.stderr
     assert "1,000 train tokens" in proc.stdout and "tok/s" in proc.stderr and "docs/s" in proc.stderr
     assert "RuntimeWarning" not in proc.stderr
@@ -301,3 +302,72 @@ def test_cli_overrides_and_errors(tmp_path, capsys):
     assert meta["counts"]["train_tokens"] == 1000 and meta["budget_reached"]
     listed = {c[s]["file"] for c in meta["chunks"] for s in ("train", "val") if c[s]}
     assert {f.name for f in (tmp_path / "cli").iterdir()} == listed | {"meta.json"}  # chunks past the budget: gone
+
+
+@pytest.mark.parametrize(("workers", "target"), [(1, "train-00002"), (2, "train-00002"), (1, "meta.json")])
+def test_a_full_disk_ends_in_one_line_and_leaves_only_whole_shards(tmp_path, monkeypatch, capfd, workers, target):
+    """ENOSPC at the fsync of a shard (in a tokeniser process too) or of meta.json: one line naming the file and the
+    fix, no temp file, every shard listed in meta.json; the same command then finishes as a fresh run would."""
+    write_jsonl(tmp_path / "d.jsonl", make_docs(80, seed=3))
+    out = tmp_path / "out"
+    real_fsync, calls = os.fsync, []
+
+    def full_disk(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.startswith(str(out.resolve())) and Path(name).name.startswith(target):
+            calls.append(name)
+            if target != "meta.json" or len(calls) >= 3:  # meta.json: the third write, after two whole chunks
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    args = ["source=jsonl", f"paths={tmp_path / 'd.jsonl'}", "docs_per_shard=10", "val_fraction=0.1",
+            f"num_workers={workers}", "progress=false"]
+    assert main([*args, f"out_dir={out}"]) == 1
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.fullmatch(rf"error: {re.escape(str(out))}/{target}\S*: No space left on device; free space there or "
+                        r"pass out_dir= on a disk with room, then run the same command again .*", err), err
+    meta = read_meta(out)
+    assert not meta["complete"] and len(meta["chunks"]) == 2 and not list(out.glob("*.tmp"))
+    assert {f.name for f in out.glob("*.bin")} == {c[s]["file"] for c in meta["chunks"] for s in ("train", "val")
+                                                   if c[s]}
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert main([*args, f"out_dir={out}"]) == 0 and main([*args, f"out_dir={tmp_path / 'fresh'}"]) == 0
+    assert read_meta(out)["chunks"] == read_meta(tmp_path / "fresh")["chunks"]
+
+
+def test_paths_without_a_source_that_reads_them_is_refused(tmp_path, capsys):
+    write_jsonl(tmp_path / "d.jsonl", make_docs(5))
+    out = tmp_path / "out"
+    assert main([f"paths={tmp_path}/d.jsonl", f"out_dir={out}", "max_tokens=100", "num_workers=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is read only by source=parquet|jsonl|text" in err
+    assert "add source=jsonl (e.g. python -m data.prepare source=jsonl paths=" in err and not out.exists()
+    with pytest.raises(ValueError, match="add source=parquet"):
+        prepare(PrepareConfig(source="hub", paths="/data/*.parquet", out_dir=str(out)))
+    with pytest.raises(ValueError, match="add source=text"):
+        prepare(PrepareConfig(paths="/data/books/*.txt", out_dir=str(out)))
+
+
+def test_an_empty_or_tiny_validation_split_is_warned_about(tmp_path, capfd):
+    (tmp_path / "book.txt").write_text("\n\n".join(make_docs(50, seed=5)), encoding="utf-8")
+    text = ["source=text", f"paths={tmp_path}/book.txt", "num_workers=1", "progress=false"]
+    assert main([*text, f"out_dir={tmp_path / 'one'}"]) == 0  # one file: one document, none held out
+    err = capfd.readouterr().err.strip()
+    assert err == (f"prepare: warning: {tmp_path / 'one'}: the validation split is empty: none of the 1 documents "
+                   "was held out at val_fraction=0.005, too few for a meaningful validation loss; give more "
+                   "documents (source=text makes one document per file) or raise val_fraction=")
+    write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=5))
+    jsonl = ["source=jsonl", f"paths={tmp_path}/d.jsonl", "num_workers=1", "progress=false"]
+    assert main([*jsonl, f"out_dir={tmp_path / 'few'}", "val_fraction=0.2"]) == 0
+    err = capfd.readouterr().err
+    assert re.search(r"the validation split holds only [\d,]+ tokens \(\d+ of 40 documents\) at val_fraction=0.2",
+                     err) and "(one per line)" in err, err
+    assert main([*jsonl, f"out_dir={tmp_path / 'none'}", "val_fraction=0"]) == 0  # asked for no validation split
+    assert "warning" not in capfd.readouterr().err
+    write_jsonl(tmp_path / "many.jsonl", make_docs(400, seed=5, min_words=100, max_words=120))
+    assert main(["source=jsonl", f"paths={tmp_path}/many.jsonl", "num_workers=1", "progress=false",
+                 f"out_dir={tmp_path / 'many'}", "val_fraction=0.5"]) == 0
+    assert read_meta(tmp_path / "many")["counts"]["val_tokens"] >= pipeline.MIN_VAL_TOKENS
+    assert "warning" not in capfd.readouterr().err

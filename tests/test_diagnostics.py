@@ -2,6 +2,7 @@
 intervention and the written figures and tables."""
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -158,6 +159,62 @@ def test_cli_writes_figures_and_tables(run_dirs: dict[str, Path], shards: Path, 
         dg.main([str(run_dirs["kda"]), "--filter-seqs", "9", "--n-seqs", "2"])
     with pytest.raises(ValueError, match="neither a run directory"):
         dg.resolve_model(tmp_path)
+
+
+def test_cli_writes_into_the_run_directory_by_default(run_dirs: dict[str, Path], shards: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert dg.main([str(run_dirs["kda"] / "hf"), "--shards", str(shards), "--n-seqs", "2", "--seq-len", "32",
+                    "--filter-seqs", "1", "--device", "cpu"]) == 0
+    out = run_dirs["kda"] / "diagnostics"
+    assert (out / "beta_eff.md").is_file() and (out / "diagnostics.json").is_file()
+    assert not (tmp_path / "diagnostics").exists()
+    captured = capsys.readouterr()
+    assert f"diagnostics: writing into {out}/" in captured.err and f"wrote {out}/" in captured.out
+    # off a terminal: one line per step, numbered, with the elapsed time
+    steps = [ln for ln in captured.err.splitlines() if ln.startswith("diagnostics [")]
+    assert [ln.split("]")[0] for ln in steps] == ["diagnostics [0/5", "diagnostics [1/5", "diagnostics [2/5",
+                                                   "diagnostics [3/5"]
+    assert "float64 filter loop, 1 x 32 tokens per layer" in steps[2] and steps[3].endswith(" s)")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_lines_within_a_long_step_and_a_bar_on_a_terminal(run_dirs: dict[str, Path], shards: Path,
+                                                                    tmp_path: Path) -> None:
+    lines = io.StringIO()
+    dg.run([str(run_dirs["kdn_diag"])], tmp_path / "a", shards=str(shards), n_seqs=2, seq_len=128, filter_seqs=1,
+           device="cpu", stream=lines, progress_every_s=0.0)
+    text = lines.getvalue()
+    assert "float64 filter loop, 1 x 128 tokens per layer: layer 1/2, token 64/128" in text
+    assert "layer 2/2, token 128/128" in text
+    assert "mu intervention on kdn_diag (kdn_diag mu=1): mu=4dk" in text
+    bar = _Terminal()
+    dg.run([str(run_dirs["kda"])], tmp_path / "b", shards=str(shards), n_seqs=2, seq_len=32, filter_seqs=1,
+           device="cpu", stream=bar)
+    assert "diagnostics: 5.0/5 steps |" in bar.getvalue() and "diagnostics [" not in bar.getvalue()
+
+
+def test_preparing_the_default_probe_shards_is_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import data
+
+    asked: list[PrepareConfig] = []
+    monkeypatch.setattr(data, "prepare", lambda cfg: asked.append(cfg))
+    said = io.StringIO()
+    where = tmp_path / "probe"
+    assert dg.probe_shards(None, said, where) == where
+    assert said.getvalue() == (f"diagnostics: preparing the probe shards (the embedded corpus, 10% held out) in "
+                               f"{where}; done once, later runs reuse them (or pass --shards DIR)\n")
+    assert [(c.source, c.val_fraction, c.out_dir, c.progress) for c in asked] == [("embedded", 0.1, str(where),
+                                                                                    False)]
+    (where / "meta.json").parent.mkdir()
+    (where / "meta.json").write_text("{}")
+    quiet = io.StringIO()
+    assert dg.probe_shards(None, quiet, where) == where and quiet.getvalue() == "" and len(asked) == 1
 
 
 def test_shards_of_another_tokenizer_are_refused(shards: Path, tmp_path: Path) -> None:

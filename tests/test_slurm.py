@@ -30,8 +30,9 @@ def fake_tools(tmp: Path) -> Path:
     bin_dir.mkdir()
     scripts = {
         "sbatch": f'echo "$@" >> {tmp}/sbatch.log; n=$(wc -l < {tmp}/sbatch.log); echo "$((1000 + n));cluster"',
-        "squeue": 'case "$3" in 1006) echo RUNNING;; esac',
-        "sacct": 'case "$4" in 1007) echo FAILED;; esac',
+        # a job's state: a "ID STATE" line of queue (squeue) or accounting (sacct) under tmp, as a test writes it
+        "squeue": f'grep -s "^$3 " {tmp}/queue | cut -d" " -f2; case "$3" in 1006) echo RUNNING;; esac',
+        "sacct": f'grep -s "^$4 " {tmp}/accounting | cut -d" " -f2; case "$4" in 1007) echo FAILED;; esac',
         "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
         "scontrol": f'echo "$@" >> {tmp}/scontrol.log',
     }
@@ -114,8 +115,84 @@ def test_submit_freezes_the_run_skips_finished_runs_and_refuses_a_changed_config
     assert status_main(["table5_noise", f"cluster.runs_root={runs}"]) == 0
     rows = {ln.split()[0].split("/")[-2]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:]}
     assert rows["table5_fixed_r"][1:3] == ["finished", "1002"]
-    assert rows["table5_learned"][1:] == ["running", "1006", "RUNNING", "3", "7.5000"]
+    assert rows["table5_learned"][1:] == ["running", "1006", "RUNNING", "3", "7.5000", "1001:?,1004:?,1006:RUNNING"]
     assert rows["table5_fixed_r_omega"][1:4] == ["failed", "1007", "FAILED"]
+
+
+def _submitted(out: str) -> list[str]:
+    return [ln.split()[-1] for ln in out.splitlines() if ln.startswith("submitted")]
+
+
+def test_a_second_sweep_command_skips_runs_with_a_live_job_and_status_shows_every_job(
+        cluster_env: Path, capsys: pytest.CaptureFixture) -> None:
+    runs = cluster_env / "runs"
+    args = ["table5_noise", f"cluster.runs_root={runs}", "trainer.max_steps=4"]
+    assert sweep_main(args) == 0 and _submitted(capsys.readouterr().out) == ["1001", "1002", "1003"]
+    (cluster_env / "queue").write_text("1001 RUNNING\n1002 PENDING\n")
+    (cluster_env / "accounting").write_text("1003 CANCELLED\n")
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    assert _submitted(out) == ["1004"]  # only the run whose job ended is submitted again
+    assert "skip (running: job 1001)" in out and "skip (pending: job 1002)" in out
+    assert len((cluster_env / "sbatch.log").read_text().splitlines()) == 4
+    dirs = [runs / "table5_noise" / e / "seed0" for e in ("table5_learned", "table5_fixed_r", "table5_fixed_r_omega")]
+    ledgers = [[json.loads(x)["job_id"] for x in (d / "submit" / "jobs.jsonl").read_text().splitlines()]
+               for d in dirs]
+    assert ledgers == [["1001"], ["1002"], ["1003", "1004"]]
+    assert not list(runs.rglob("*.tmp"))
+    # a duplicate queued beside the running job (e.g. submitted by hand) is shown, with the scancel that removes it
+    from slurm.jobs import record_job
+
+    record_job(dirs[0], {"job_id": "1009", "kind": "train"})
+    (cluster_env / "queue").write_text("1001 RUNNING\n1002 PENDING\n1004 PENDING\n1009 PENDING\n")
+    assert sweep_main(args) == 0 and _submitted(capsys.readouterr().out) == []
+    assert status_main(["table5_noise", f"cluster.runs_root={runs}"]) == 0
+    captured = capsys.readouterr()
+    rows = {ln.split()[0].split("/")[-2]: ln.split() for ln in captured.out.splitlines()[1:]}
+    assert rows["table5_learned"][1:4] == ["running", "1001", "RUNNING"]
+    assert rows["table5_learned"][-1] == "1001:RUNNING,1009:PENDING"
+    assert rows["table5_fixed_r_omega"][-1] == "1003:CANCELLED,1004:PENDING"
+    assert rows["table5_fixed_r"][-1] == "1002:PENDING"
+    assert captured.err.strip() == ("warning: runs/table5_noise/table5_learned/seed0 has 2 live jobs (1001, 1009); "
+                                    "keep the oldest: scancel 1009").replace("runs/", f"{runs}/", 1)
+
+
+def _tools_dir(tmp: Path, name: str, sbatch: str | None) -> Path:
+    """A PATH folder with squeue and sacct that know no job, and ``sbatch`` with body ``sbatch`` (None: none)."""
+    bin_dir = tmp / name
+    bin_dir.mkdir()
+    bodies = {"squeue": "exit 0", "sacct": "exit 0"} | ({"sbatch": sbatch} if sbatch is not None else {})
+    for tool, body in bodies.items():
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+def test_a_refused_submission_freezes_nothing_and_a_corrected_one_is_accepted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    runs = tmp_path / "runs"
+    args = ["table5_noise", f"cluster.runs_root={runs}", "trainer.max_steps=4"]
+    monkeypatch.setenv("PATH", f"{_tools_dir(tmp_path, 'none', None)}:{os.environ['PATH']}")
+    assert shutil.which("sbatch") is None
+    assert sweep_main(args) == 2
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+    assert not runs.exists()
+    refuse = 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1'
+    monkeypatch.setenv("PATH", f"{_tools_dir(tmp_path, 'refuse', refuse)}:{os.environ['PATH']}")
+    assert sweep_main([*args, "cluster.partition=gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sbatch refused the job (sbatch: error: invalid partition specified: gpu)" in err
+    assert len(err.splitlines()) == 1
+    assert not runs.exists()  # not even the run directories
+    accept = f'echo "$@" >> {tmp_path}/sbatch.log; echo "2001;cluster"'
+    monkeypatch.setenv("PATH", f"{_tools_dir(tmp_path, 'accept', accept)}:{os.environ['PATH']}")
+    assert sweep_main([*args, "optim.lr=1e-3"]) == 0  # another setting: accepted, as nothing was submitted before
+    assert _submitted(capsys.readouterr().out) == ["2001"] * 3
+    run = runs / "table5_noise" / "table5_learned" / "seed0" / "submit"
+    assert json.loads((run / "config.json").read_text())["optim"]["lr"] == 0.001
+    assert (run / "train.sbatch").read_text().startswith("#!/bin/bash") and not list(run.glob("*.pending"))
 
 
 @pytest.mark.parametrize("args,match", [
@@ -189,7 +266,7 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
                                f"run_dir={tmp_path / 'two'}"], cwd=ROOT, env=_env(**slurm, SLURM_NODEID=str(n)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    outs = [p.communicate(timeout=__import__("conftest").timeout_s(300))[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "node 1/2, 1 process(es), world 2, master localhost:24242" in outs[1]
     assert "2 process(es) x 1 accumulation" in outs[0]
@@ -218,7 +295,7 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGUSR1)  # as SLURM signals every process of the job
-        return proc.wait(timeout=240), proc.communicate()[0]
+        return proc.wait(timeout=__import__("conftest").timeout_s(240)), proc.communicate()[0]
 
     rc, out = run_until(2)
     assert rc == 75, out[-3000:]
