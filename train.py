@@ -9,10 +9,14 @@
 Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default; the default name holds the
 experiment-changing overrides): ``config.yaml`` (the validated config), ``fingerprint.json`` (the experiment's
 identity), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export), wandb's offline files and,
-while it runs, ``run.lock``. Rerunning the same command resumes from the newest intact checkpoint there; a rerun
-with another experiment's settings is refused (``name=<new>`` starts another run, ``resume=force`` continues this
-one with the new settings). SIGUSR1/SIGTERM save at the next step boundary (during start-up: at once) and exit
-with code 75 for a requeue; a NaN/Inf loss or weight stops the run and keeps the last good checkpoint.
+while it runs, ``run.lock``. Rerunning the same command resumes from the newest intact checkpoint there (a finished
+run says so and trains nothing); a rerun with another experiment's settings, ``trainer.max_steps`` included, is
+refused (``name=<new>`` starts another run, ``resume=force`` continues this one with the new settings). A directory
+whose training left records but no intact checkpoint is started over only with ``resume=restart``, which keeps the
+old ``metrics.jsonl`` as ``metrics.<time>.jsonl``. SIGUSR1/SIGTERM save at the next step boundary (during start-up:
+at once) and exit with code 75 for a requeue; a NaN/Inf loss, gradient norm or weight stops the run and keeps the
+last good checkpoint. Bad options and run-directory conflicts end in one line and exit code 2; a checkpoint that
+cannot be written or read ends in one line and exit code 1.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ if __name__ == "__main__":  # a preemption signal during the imports below exits
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -41,14 +46,29 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from data import PrepareConfig, TokenLoader, check_tokenizer, load_tokenizer, prepare, read_meta  # noqa: E402
 from kdn.modules import cached_weight_casts  # noqa: E402
 from models import build_model, count_flops_per_token  # noqa: E402
-from trainer.checkpoint import Checkpointer, TrainState, export_hf  # noqa: E402
-from trainer.config import Budget, ConfigError, TrainConfig, build_model_config, derive_budget, load_config  # noqa: E402
+from trainer.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf  # noqa: E402
+from trainer.config import (  # noqa: E402
+    Budget,
+    ConfigError,
+    TrainConfig,
+    build_model_config,
+    check_override_keys,
+    derive_budget,
+    load_config,
+)
 from trainer.distributed import build_accelerator, world_size  # noqa: E402
 from trainer.metrics import MetricLogger, peak_flops  # noqa: E402
 from trainer.optim import adopt_hyperparameters, all_finite, build_optimizer, build_scheduler, sync_lr  # noqa: E402
 from trainer.preemption import Preemption  # noqa: E402
 from trainer.profiling import StepProfiler  # noqa: E402
-from trainer.rundir import RunDirError, RunLock, check_fingerprint, store_fingerprint  # noqa: E402
+from trainer.rundir import (  # noqa: E402
+    RunDirError,
+    RunLock,
+    check_fingerprint,
+    earlier_training,
+    set_aside_records,
+    store_fingerprint,
+)
 
 log = logging.getLogger("train")
 
@@ -134,14 +154,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return _train(cfg, preemption, accelerator, precision, budget, token=lock.me["token"][:8])
 
 
-def _open_run_dir(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer) -> dict[str, list[Any]]:
-    """Refuse a resume of another experiment (unless ``resume=force``); record this run's config. Returns the
-    adopted changes ({key: [old, new]}) of a forced resume."""
+def _open_run_dir(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer,
+                  last: Path | None) -> dict[str, list[Any]]:
+    """Refuse a resume of another experiment (unless ``resume=force``) and a start over the records of earlier
+    training (unless ``resume=restart``, which sets them aside); record this run's config. Returns the adopted
+    changes ({key: [old, new]}) of a forced resume."""
     run_dir, config = Path(cfg.run_dir), asdict(cfg)
-    changes = check_fingerprint(run_dir, config, cfg.resume == "force") if ckpt.latest() is not None else {}
+    earlier = "" if last is not None else earlier_training(run_dir)
+    if earlier and cfg.resume != "restart":
+        raise RunDirError(f"{run_dir} holds earlier training ({earlier}) but no intact checkpoint to resume from; "
+                          "add resume=restart to start it over (its metrics are kept aside), or use another name=")
+    if last is not None and cfg.resume == "restart":
+        log.warning(f"resume=restart: {run_dir} has the intact checkpoint {last}, so it resumes from it (restart "
+                    "starts over only a run without one; use another name= to start afresh)")
+    changes = check_fingerprint(run_dir, config, cfg.resume == "force") if last is not None else {}
     accelerator.wait_for_everyone()  # every process compared with the stored config before it is replaced
     if accelerator.is_main_process:  # the validated, resolved config of this run
         run_dir.mkdir(parents=True, exist_ok=True)
+        if earlier:
+            kept = ", ".join(p.name for p in set_aside_records(run_dir))
+            log.warning(f"resume=restart: {run_dir} starts over from step 0 ({earlier}); the earlier records are "
+                        f"kept as {kept or 'they were'}")
         ckpt.remove_stale_temps()
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         store_fingerprint(run_dir, config)
@@ -155,7 +188,8 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
     if world > 1:  # the temp directory of a save is named the same on every process
         token = broadcast_object_list([token])[0]
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_last, token)
-    changes = _open_run_dir(cfg, accelerator, ckpt)
+    last = ckpt.resume_point(accelerator)  # damaged checkpoints are set aside before anything is decided
+    changes = _open_run_dir(cfg, accelerator, ckpt, last)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -191,7 +225,7 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
     # resume from the run directory's newest intact checkpoint, if any
     state = TrainState(world_size=world, wandb_id=uuid.uuid4().hex[:8])
     resumed = False
-    if (last := ckpt.resume_point(accelerator)) is not None:
+    if last is not None:
         state = ckpt.load(accelerator, last, reshard=cfg.trainer.reshard)
         state.world_size = world
         scheduler.load_state_dict(state.scheduler)
@@ -200,10 +234,15 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
         sync_lr(optimizer, scheduler)  # the schedule of this config's step count applies from the first step
         loader.load_state_dict(state.loader)
         resumed = True
-        log.info(f"resumed from {last} (step {state.step}, {state.tokens_seen:,} tokens)")
-    log.info(f"{cfg.name}: {n_params / 1e6:.1f}M parameters, {budget.total_steps} steps of "
-             f"{budget.tokens_per_step:,} tokens ({world} process(es) x {budget.grad_accum} accumulation x "
-             f"{cfg.trainer.micro_batch_size} x {cfg.data.seq_len}), warm-up {budget.warmup_steps}, {precision}")
+    already_done = state.step >= budget.total_steps
+    if already_done:
+        log.info(f"{run_dir} is finished: step {state.step} of {budget.total_steps} ({last}); nothing to train")
+    else:
+        if resumed:
+            log.info(f"resumed from {last} (step {state.step}, {state.tokens_seen:,} tokens)")
+        log.info(f"{cfg.name}: {n_params / 1e6:.1f}M parameters, {budget.total_steps} steps of "
+                 f"{budget.tokens_per_step:,} tokens ({world} process(es) x {budget.grad_accum} accumulation x "
+                 f"{cfg.trainer.micro_batch_size} x {cfg.data.seq_len}), warm-up {budget.warmup_steps}, {precision}")
 
     def save(lr: float) -> Path:
         """Checkpoint the state after the optimiser step of ``state.step``, taken with ``lr``."""
@@ -219,7 +258,6 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
     profiler = StepProfiler(run_dir / "profile", cfg.logging.profile.start, cfg.logging.profile.steps,
                             accelerator.is_main_process, device)
     loss = val_loss = float("nan")
-    already_done = state.step >= budget.total_steps
     with MetricLogger(
             run_dir, enabled=accelerator.is_main_process, resume_step=state.step, total_steps=budget.total_steps,
             progress=cfg.logging.progress, wandb_mode=cfg.logging.wandb.mode, wandb_project=cfg.logging.wandb.project,
@@ -316,18 +354,40 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
             "finished": finished, "checkpoint": ckpt.latest(), "export": export if export.is_dir() else None}
 
 
+def discard_unused_run_dir(run_dir: Path) -> bool:
+    """Remove ``run_dir`` if it holds only what Hydra wrote before the run was refused (``.hydra/`` and an empty
+    ``train.log``); returns whether it did. A directory with anything else is left as it is."""
+    log_file = run_dir / "train.log"
+    if not run_dir.is_dir() or any(p.name not in (".hydra", "train.log") for p in run_dir.iterdir()):
+        return False
+    if log_file.is_file() and log_file.stat().st_size:
+        return False
+    shutil.rmtree(run_dir)
+    return True
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
-    dict_cfg.run_dir = HydraConfig.get().runtime.output_dir  # == run_dir; per-job subdir under -m
+    run_dir = Path(HydraConfig.get().runtime.output_dir)  # == run_dir; per-job subdir under -m
+    dict_cfg.run_dir = str(run_dir)
     try:
         train(load_config(dict_cfg))
-    except ConfigError as e:  # bad values, an impossible batch split, a missing device: one line
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except RunDirError as e:  # the run directory holds another experiment or is in use
-        print(f"run error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (ConfigError, RunDirError, CheckpointError) as e:  # one line each, and no directory left for nothing
+        discard_unused_run_dir(run_dir)
+        if isinstance(e, ConfigError):  # bad values, an impossible batch split, a missing device
+            print(f"config error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if isinstance(e, RunDirError):  # another experiment, earlier training, or a live process holds it
+            print(f"run error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"checkpoint error: {e}", file=sys.stderr)  # a full disk, every checkpoint damaged, a refused file
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
+    try:  # a typo in a plain override gets the schema's did-you-mean (Hydra's own message names no key to use)
+        check_override_keys(sys.argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     main()

@@ -162,15 +162,35 @@ def test_slurm_launcher_config_composes() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=__import__("conftest").timeout_s(300))
 
 
-def test_cli_rejects_bad_values_in_one_line() -> None:
-    bad = _cli("mixer.mu=big")
+def test_cli_rejects_bad_values_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
+    bad = _cli("mixer.mu=big", f"runs_root={tmp_path}")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("config error: mixer.mu: 'big' is neither")
-    typo = _cli("trainer.max_stepz=3")
-    assert typo.returncode == 1 and "trainer.max_stepz" in typo.stderr.splitlines()[0]
+    assert list(tmp_path.iterdir()) == []  # no directory holding only .hydra/ and an empty train.log
+    for typo, fix in (("trainer.max_step=5", "max_steps"), ("optim.lrr=1e-3", "lr")):  # the plain form too
+        out = _cli(typo, f"runs_root={tmp_path}")
+        assert out.returncode == 2, out.stderr[-2000:]
+        key = typo.lstrip("+").split("=")[0]
+        assert out.stderr.strip().splitlines()[-1] == f"config error: {key}: unknown key (did you mean {fix!r}?)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plain_override_keys_are_checked_against_the_schema() -> None:
+    from trainer.config import check_override_keys
+
+    check_override_keys(["-m", "model=toy", "experiment=table4_mu_1", "mixer.mu=1,dk", "hydra.run.dir=x",
+                         "hydra/launcher=slurm", "model.overrides.num_layers=2", "data.prepare.max_tokens=9",
+                         "+anything.new=1", "~seed", "logging.wandb.mode=disabled"])
+    for arg, msg in (("mixr=kda", "mixr: unknown key (did you mean 'mixer'?)"),
+                     ("data.prepare.tokeniser=x", "data.prepare.tokeniser: unknown key (did you mean 'tokenizer'?)"),
+                     ("logging.wandb.mod=x", "logging.wandb.mod: unknown key (did you mean 'mode'?)"),
+                     ("trainer.zzz=1", "trainer.zzz: unknown key (valid keys: ")):
+        with pytest.raises(ConfigError) as e:
+            check_override_keys(["model=toy", arg])
+        assert str(e.value).startswith(msg), str(e.value)
 
 
 def test_multirun_sweep_gives_each_job_its_run_dir(tmp_path: Path) -> None:

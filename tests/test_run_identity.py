@@ -40,9 +40,13 @@ def test_default_name_holds_the_experiment_changing_overrides() -> None:
     mu1, mudk = _name(["mixer.mu=1"]), _name(["mixer.mu=dk"])
     assert mu1 == "small_recurrent_kdn_diag_mixer.mu=1" and mudk != mu1
     # bookkeeping overrides and the choices already in the name leave it alone; the order does not matter
-    assert _name(["trainer.max_steps=3", "mixer.mu=1", "logging=quiet", "trainer.stop_after=2", "resume=force",
+    assert _name(["mixer.mu=1", "logging=quiet", "trainer.stop_after=2", "resume=force",
                   "logging.log_every=5", "trainer.ckpt_every=7", "trainer.eval_every=1"]) == mu1
     assert _name(["optim.lr=1e-3", "mixer.mu=1", "model=toy"]) == _name(["model=toy", "mixer.mu=1", "optim.lr=1e-3"])
+    # one value, one name: the schema's reading of the value, not its spelling on the command line
+    assert _name(["optim.lr=1e-3"]) == _name(["optim.lr=0.001"]) == "small_recurrent_kdn_diag_optim.lr=0.001"
+    assert _name(["optim.lr=1"]) == _name(["optim.lr=1.0"]) != _name(["optim.lr=1.5"])
+    assert _name(["trainer.max_steps=30"]) == _name(["trainer.max_steps=030"]) != _name(["trainer.max_steps=31"])
     assert _name(["model=toy", "mixer=kda"]) == "toy_recurrent_kda"
     path = name_suffix(["data.prepare.out_dir=/scratch/a b/shards"])
     assert "/" not in path and " " not in path
@@ -55,10 +59,70 @@ def test_fingerprint_ignores_resumable_keys_and_names_the_rest() -> None:
     from dataclasses import asdict
 
     a = asdict(make_cfg(["model=toy", "mixer.mu=dk"]))
-    b = asdict(make_cfg(["model=toy", "mixer.mu=dk", "trainer.max_steps=9", "logging=quiet", "run_dir=/x"]))
+    b = asdict(make_cfg(["model=toy", "mixer.mu=dk", "trainer.stop_after=9", "logging=quiet", "run_dir=/x"]))
     c = asdict(make_cfg(["model=toy", "mixer.mu=1", "optim.lr=1e-2"]))
     assert fingerprint(a) == fingerprint(b) and differences(a, b) == {}
     assert differences(a, c) == {"mixer.mu": ["dk", "1"], "optim.lr": [4e-4, 1e-2]}
+
+
+# One override per identity key (every key of the config that is not in RESUMABLE_KEYS), each a valid change.
+EXPERIMENT_OVERRIDES = {
+    "backbone.pattern": "backbone=hybrid_swa", "backbone.window": "backbone.window=64",
+    "data.prepare.max_tokens": "data.prepare.max_tokens=30000", "data.prepare.out_dir": "data.prepare.out_dir=/d/x",
+    "data.prepare.source": "data.prepare.source=jsonl", "data.prepare.tokenizer": "data.prepare.tokenizer=gpt2",
+    "data.prepare.val_fraction": "data.prepare.val_fraction=0.1", "data.seed": "data.seed=1",
+    "data.seq_len": "data.seq_len=64", "data.varlen": "data.varlen=true",
+    "mixer.alpha_param": "mixer.alpha_param=sigmoid", "mixer.kwargs": "+mixer.kwargs.memory=dplr",
+    "mixer.mu": "mixer.mu=1", "mixer.name": "mixer=kda", "mixer.noise": "mixer.noise=fixed_r",
+    "model.overrides": "+model.overrides.num_layers=3", "model.size": "model=small",
+    "optim.betas": "optim.betas=[0.8,0.9]", "optim.eps": "optim.eps=1e-6", "optim.grad_clip": "optim.grad_clip=0.5",
+    "optim.lr": "optim.lr=1e-3", "optim.min_lr_ratio": "optim.min_lr_ratio=0",
+    "optim.warmup_frac": "optim.warmup_frac=0.1", "optim.weight_decay": "optim.weight_decay=0", "seed": "seed=1",
+    "trainer.device": "trainer.device=cpu", "trainer.distributed": "trainer.distributed=fsdp",
+    "trainer.eval_batches": "trainer.eval_batches=2", "trainer.global_batch_tokens": "trainer.global_batch_tokens=2048",
+    "trainer.max_steps": "trainer.max_steps=30", "trainer.micro_batch_size": "trainer.micro_batch_size=4",
+    "trainer.precision": "trainer.precision=fp32", "trainer.token_budget": "trainer.token_budget=1000000",
+}
+BOOKKEEPING_OVERRIDES = ["logging=quiet", "logging.log_every=5", "logging.wandb.mode=disabled",
+                         "logging.profile.steps=2", "trainer.stop_after=2", "trainer.eval_every=1",
+                         "trainer.ckpt_every=7", "trainer.keep_last=3", "trainer.export=false", "trainer.reshard=true",
+                         "trainer.check_weights_every=0", "trainer.compile=true", "trainer.recompute_states=true",
+                         "trainer.peak_flops=1e12", "data.num_workers=1", "resume=force", "resume=restart"]
+
+
+@pytest.fixture(scope="module")
+def toy_identity() -> tuple[str, dict]:
+    """The default name and the config of ``model=toy`` alone."""
+    from dataclasses import asdict
+
+    return _name(["model=toy"]), asdict(make_cfg(["model=toy"]))
+
+
+def test_the_experiment_overrides_cover_every_identity_key(toy_identity: tuple[str, dict]) -> None:
+    from trainer.rundir import identity
+
+    assert set(EXPERIMENT_OVERRIDES) == set(identity(toy_identity[1]))
+
+
+@pytest.mark.parametrize("key", sorted(EXPERIMENT_OVERRIDES))
+def test_each_experiment_override_changes_the_name_and_the_fingerprint_on_its_own(
+        key: str, toy_identity: tuple[str, dict]) -> None:
+    from dataclasses import asdict
+
+    override, (name, config) = EXPERIMENT_OVERRIDES[key], toy_identity
+    assert _name(["model=toy", override]) != name
+    changed = asdict(make_cfg(["model=toy", override]))
+    assert fingerprint(changed) != fingerprint(config) and key in differences(config, changed)
+
+
+@pytest.mark.parametrize("override", BOOKKEEPING_OVERRIDES)
+def test_bookkeeping_overrides_change_neither_the_name_nor_the_fingerprint(
+        override: str, toy_identity: tuple[str, dict]) -> None:
+    from dataclasses import asdict
+
+    name, config = toy_identity
+    assert _name(["model=toy", override]) == name
+    assert fingerprint(asdict(make_cfg(["model=toy", override]))) == fingerprint(config)
 
 
 def test_another_experiment_is_refused_and_resume_force_adopts_it(tmp_path: Path, shards: list[str]) -> None:

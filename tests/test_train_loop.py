@@ -100,6 +100,36 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, shards: li
     assert all(t.isfinite().all() for t in weights(run / "checkpoints" / ckpts[-1]).values())
 
 
+def test_a_finite_loss_with_an_infinite_grad_norm_is_not_applied(tmp_path: Path, shards: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard looks at the gradient norm, not only at the loss: a step whose loss is finite but whose gradient
+    norm is Inf stops the run before the optimiser touches the weights."""
+    from accelerate import Accelerator
+
+    from train import NonFiniteLossError
+
+    real_clip, seen, before = Accelerator.clip_grad_norm_, [], []
+
+    def clip(self: Accelerator, parameters: object, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        params = list(parameters)
+        norm = real_clip(self, params, max_norm, norm_type)
+        seen.append(params)
+        if len(seen) == 3:  # step 3: finite loss and gradients, an Inf norm
+            before.extend(p.detach().clone() for p in params)
+            return torch.full_like(norm, float("inf"))
+        return norm
+
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", clip)
+    run = tmp_path / "inf_grad"
+    with pytest.raises(NonFiniteLossError, match=r"at step 3 \(loss=[0-9.]+, grad_norm=inf.*not applied"):
+        run_train(TOY + shards + [f"run_dir={run}", "trainer.max_steps=5", "trainer.ckpt_every=1",
+                                  "trainer.eval_every=0", "trainer.export=false"])
+    assert len(before) == len(seen[2]) > 0
+    assert all(torch.equal(p.detach(), b) for p, b in zip(seen[2], before))  # the update was not applied
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000001", "step_000000002"]
+    assert [r["step"] for r in records(run)[0]] == [1, 2]
+
+
 def test_varlen_batches_train(tmp_path: Path, shards: list[str]) -> None:
     out = run_train(TOY + shards + [f"run_dir={tmp_path / 'v'}", "data.varlen=true", "trainer.max_steps=2",
                                      "trainer.eval_every=0", "trainer.export=false"])
@@ -142,7 +172,7 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=240)[0]
+    out = proc.communicate(timeout=__import__("conftest").timeout_s(240))[0]
     assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
     (ckpt,) = (run / "checkpoints").iterdir()
     saved = json.loads((ckpt / "train_state.json").read_text())["step"]
@@ -150,7 +180,7 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
     assert 2 <= saved < 200 and logged[-1] == saved  # saved right after the step the signal interrupted
     # the requeued job resumes from that step
     proc = _cli([*args, f"trainer.stop_after={saved + 2}"])
-    out = proc.communicate(timeout=240)[0]
+    out = proc.communicate(timeout=__import__("conftest").timeout_s(240))[0]
     assert proc.returncode == 0, out[-3000:]
     assert f"resumed from {ckpt}" in out
     assert [r["step"] for r in records(run)[0]] == list(range(1, saved + 3))
@@ -167,7 +197,7 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
     assert one["finished"]
     proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
                  f"run_dir={tmp_path / 'two'}", "trainer.stop_after=2"])
-    out = proc.communicate(timeout=300)[0]
+    out = proc.communicate(timeout=__import__("conftest").timeout_s(300))[0]
     assert proc.returncode == 0, out[-3000:]
     assert "2 process(es) x 1 accumulation" in out
     with pytest.raises(ValueError, match="written by 2 processes"):

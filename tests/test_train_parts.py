@@ -227,6 +227,24 @@ def test_summarize_rows_and_curve_comparison(tmp_path) -> None:
         summarize(tmp_path)
 
 
+def test_summarize_skips_a_directory_without_records_and_names_it(tmp_path, capsys) -> None:
+    from trainer.summarize import main
+
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in (1, 2)))
+    refused = tmp_path / "b"  # what a refused command left: Hydra's files only
+    (refused / ".hydra").mkdir(parents=True)
+    (refused / "train.log").write_text("")
+    assert main([str(run), str(refused)]) == 0
+    out, err = capsys.readouterr()
+    assert err == f"skipped {refused}: {refused / 'metrics.jsonl'} does not exist; pass a run directory written by " \
+                  "train.py\n"
+    assert f"| {run} | 2 | 8 | 7 |" in out and str(refused) not in out
+    assert main([str(refused)]) == 1
+    assert "no run to summarise among 1 directory" in capsys.readouterr().err
+
+
 def test_fsdp_reduces_in_fp32_and_keeps_the_stream_dtypes() -> None:
     """accelerate's default FSDP2 policy under bf16 reduces gradients in bf16 and casts every block's inputs and
     outputs (the FP32 residual stream, the loss) to bf16; ours keeps bf16 parameters but FP32 reductions and

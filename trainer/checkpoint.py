@@ -6,16 +6,20 @@ tokens seen, scheduler, the data loader's global cursor, the wandb run id) and, 
 ``manifest.json`` (every other file's size and SHA-256). It is written under ``.tmp_step_<step>.<token>``
 (the token names the saving run; a save removes only its own temp directory) and renamed once complete.
 A directory without a readable manifest is not a checkpoint. A resume verifies the newest checkpoint's
-manifest; one that fails is set aside as ``step_*.corrupt`` with a warning naming the file, and the next
-newest intact one is used. Only the newest ``keep_last`` are kept, never deleting the one just written.
+manifest and that each of its pickles passes a weights-only load; one that fails is set aside as ``step_*.corrupt``
+with a warning naming the file, and the next newest intact one is used. Only the newest ``keep_last`` are kept,
+never deleting the one just written. A save that fails (a full disk) removes its temp directory and raises a
+one-line ``CheckpointError``; the checkpoints written before it are untouched.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,9 +32,15 @@ from data.shards import sha256_file
 
 STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"
+RNG_FILE = "random_states_{}.pkl"  # accelerate's RNG states of one process
+_PICKLES = (".bin", ".pkl", ".pt")  # the files accelerate writes with torch.save
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 log = logging.getLogger("train")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from or written; the message is one line naming the file and the fix."""
 
 
 @dataclass
@@ -71,9 +81,41 @@ def write_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+def _refusal(e: Exception) -> str:
+    """The line of a failed weights-only load that says what was refused (never torch's advice to load unsafely)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    named = [x for x in lines if re.search(r"unsupported global|weightsunpickler", x, re.IGNORECASE)]
+    if named:
+        return named[0].rstrip(".")
+    return f"{type(e).__name__}" if not lines or "weights_only" in lines[0] else f"{type(e).__name__}: {lines[0]}"
+
+
+def load_pickle(path: Path) -> Any:
+    """``path`` loaded on the CPU as accelerate loads it (weights only, its numpy allow-list; memory-mapped when it is
+    a zip archive, so a large file is not read). Raises ``CheckpointError`` naming the file when it is refused or
+    unreadable."""
+    from accelerate.utils import load
+
+    try:
+        return load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # a refused global, a torn archive, a truncated pickle: all mean "do not resume from it"
+        raise CheckpointError(f"{path} is refused by a weights-only load or unreadable ({_refusal(e)})") from None
+
+
+def check_pickles(ckpt_dir: Path) -> str | None:
+    """``None`` if every pickle under ``ckpt_dir`` loads weights-only; else one line naming the first that fails."""
+    for path in sorted(ckpt_dir.rglob("*")):
+        if path.is_file() and path.suffix in _PICKLES:
+            try:
+                load_pickle(path)
+            except CheckpointError as e:
+                return str(e)
+    return None
+
+
 def verify(ckpt_dir: Path, checksum: bool = True) -> str | None:
-    """``None`` if every file of the manifest is there with its size (and, with ``checksum``, its SHA-256);
-    else one line naming the first file that fails."""
+    """``None`` if every file of the manifest is there with its size (and, with ``checksum``, its SHA-256 and a
+    weights-only load of each pickle); else one line naming the first file that fails."""
     try:
         files = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -89,6 +131,7 @@ def verify(ckpt_dir: Path, checksum: bool = True) -> str | None:
         for path, entry, got in zip(paths, files.values(), _sha256_all(paths)):
             if got != entry["sha256"]:
                 return f"{path} fails its SHA-256 checksum"
+        return check_pickles(ckpt_dir)
     return None
 
 
@@ -145,37 +188,49 @@ class Checkpointer:
             log.warning(f"checkpoint {path} is damaged: {problem}; set aside as {aside}, trying the previous one")
         if damaged:
             return "", (f"every checkpoint in {self.root} is damaged (set aside as {', '.join(damaged)}); nothing "
-                        "to resume from: start over under another name=, or restore a checkpoint from a copy")
+                        "to resume from: restore a checkpoint from a copy, or start over with resume=restart (the "
+                        "earlier metrics are kept aside) or under another name=")
         return "", ""
 
     def resume_point(self, accelerator: Accelerator) -> Path | None:
         """Collective: the newest checkpoint that passes its manifest (the main process verifies and tells the
         others), or ``None`` when there is none. Damaged checkpoints are renamed ``step_*.corrupt`` with a warning;
-        a ``ValueError`` when every one is damaged (starting over would drop the run's records)."""
+        a ``CheckpointError`` when every one is damaged (starting over would drop the run's records)."""
         found = list(self._find_intact()) if accelerator.is_main_process else ["", ""]
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(found)
         if found[1]:
-            raise ValueError(found[1])
+            raise CheckpointError(found[1])
         return Path(found[0]) if found[0] else None
 
     def save(self, accelerator: Accelerator, state: TrainState) -> Path:
-        """Collective: every process calls it. Returns the final directory."""
+        """Collective: every process calls it. Returns the final directory. A write that fails (``OSError``: a full
+        disk, a quota) removes the temp directory and raises a one-line ``CheckpointError``; the checkpoints already
+        there stay as they were."""
         final = self.root / f"step_{state.step:09d}"
         tmp = self.root / f".tmp_step_{state.step:09d}.{self.token}"
+        try:
+            if accelerator.is_main_process:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # this run's own earlier attempt at the same step
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(tmp), safe_serialization=False)  # torch.save keeps tied weights as they are
+            accelerator.wait_for_everyone()  # every rank's files (its RNG states) are written before the manifest
+            if accelerator.is_main_process:
+                write_json_atomic(tmp / STATE_FILE, asdict(state))
+                write_manifest(tmp)  # last: a directory with a manifest is complete
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took
+            previous = self.latest()
+            raise CheckpointError(
+                f"saving the checkpoint of step {state.step} under {self.root} failed ({e.strerror or e}); "
+                f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}: "
+                "free space there and rerun the command to resume") from None
         if accelerator.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # this run's own earlier attempt at the same step
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp), safe_serialization=False)  # torch.save keeps tied weights as they are
-        accelerator.wait_for_everyone()  # every rank's files (its RNG states) are written before the manifest
-        if accelerator.is_main_process:
-            write_json_atomic(tmp / STATE_FILE, asdict(state))
-            write_manifest(tmp)  # last: a directory with a manifest is complete
             if final.exists():  # re-saving the step we resumed from: replace it whole
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -187,18 +242,35 @@ class Checkpointer:
 
     @staticmethod
     def load(accelerator: Accelerator, path: Path, reshard: bool = False) -> TrainState:
-        """Collective: restore model, optimiser and RNG states; return the ``TrainState``."""
+        """Collective: restore model, optimiser and RNG states; return the ``TrainState``. A missing or refused file
+        (this process's RNG states included: without them the resume is not exact) raises a one-line
+        ``CheckpointError`` naming it."""
+        fix = f"move {path} aside to resume from the previous checkpoint"
         try:
             state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         except (OSError, json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"{path / STATE_FILE} is unreadable ({e}); delete {path} to resume from the "
-                             "previous checkpoint") from None
+            raise CheckpointError(f"{path / STATE_FILE} is unreadable ({e}); {fix}") from None
         if state.world_size != accelerator.num_processes and not reshard:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} was written by {state.world_size} processes but this run has "
                 f"{accelerator.num_processes}; an exact resume needs the same world size. Relaunch with "
                 f"{state.world_size} processes, or set trainer.reshard=true to continue from the same data cursor.")
-        accelerator.load_state(str(path))
+        rng = path / RNG_FILE.format(accelerator.process_index)
+        if accelerator.process_index < state.world_size:  # a resharded run's new processes have none to restore
+            if not rng.is_file():
+                raise CheckpointError(f"{rng} is missing: the resume would not restore this process's random "
+                                      f"states; {fix}")
+            try:
+                states = load_pickle(rng)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; {fix}") from None
+            if not isinstance(states, dict) or not {"random_state", "torch_manual_seed"} <= states.keys():
+                raise CheckpointError(f"{rng} holds no random states; {fix}")
+        try:
+            accelerator.load_state(str(path))
+        except pickle.UnpicklingError as e:  # torch's own message advises the unsafe weights_only=False
+            raise CheckpointError(f"a file of {path} is refused by a weights-only load ({_refusal(e)}); "
+                                  f"{fix}") from None
         return state
 
 

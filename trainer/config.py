@@ -11,6 +11,8 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,10 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.preemption import parse_signal
 from trainer.rundir import run_overrides
 
-# conf/config.yaml's default name appends the experiment-changing command-line overrides: ${run_overrides:}
-OmegaConf.register_new_resolver("run_overrides", run_overrides, replace=True)
-
 KDN_MIXERS = ("kdn_diag", "kdn_iso")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class ConfigError(ValueError):
@@ -122,7 +122,8 @@ class TrainConfig:
     name: str = "run"
     runs_root: str = "runs"
     run_dir: str = "runs/run"
-    resume: str = "auto"  # auto: resume only the same experiment (trainer.rundir); force: adopt the changed config
+    resume: str = "auto"  # auto: resume only the same experiment (trainer.rundir); force: adopt the changed config;
+    # restart: start over a run directory whose training left no intact checkpoint (its records kept aside)
     seed: int = 0  # model initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
     mixer: MixerConfig = field(default_factory=MixerConfig)
@@ -131,6 +132,11 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# conf/config.yaml's default name appends the experiment-changing command-line overrides, with their values as
+# this schema reads them: ${run_overrides:}
+OmegaConf.register_new_resolver("run_overrides", partial(run_overrides, TrainConfig), replace=True)
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,46 @@ def _unknown_key_hint(full_key: str) -> str:
     names = [f.name for f in fields(node)] if is_dataclass(node) else []
     close = difflib.get_close_matches(parts[-1], names, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(names)})"
+
+
+def _did_you_mean(key: str, names: list[str] | set[str]) -> str:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(names), n=1)
+    return f"{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else
+                                    f" (valid keys: {', '.join(sorted(names))})")
+
+
+def check_override_keys(args: list[str]) -> None:
+    """Refuse a plain ``key=value`` command-line override (no ``+``/``~``) whose key the schema lacks, in one line
+    with a did-you-mean, before Hydra composes (which answers with a generic message). Flags, ``hydra.*`` keys and
+    the keys inside free-form dicts (``model.overrides``, ``mixer.kwargs``) are left to Hydra.
+
+    Args:
+        args: the command line after the program name.
+    Raises:
+        ConfigError: ``trainer.max_step: unknown key (did you mean 'max_steps'?)``.
+    """
+    from data import PrepareConfig
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0]
+        parts = key.split(".")
+        if any(c in key for c in "@/") or parts[0] == "hydra" or key in groups:
+            continue
+        node: Any = TrainConfig
+        for i, part in enumerate(parts):
+            names = {f.name for f in fields(node)}
+            if part not in names:
+                raise ConfigError(_did_you_mean(".".join(parts[:i + 1]), names))
+            factory = next(f.default_factory for f in fields(node) if f.name == part)
+            if ".".join(parts[:i + 1]) == "data.prepare":
+                node = PrepareConfig
+            elif isinstance(factory, type) and is_dataclass(factory):
+                node = factory
+            else:
+                break
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -246,7 +292,7 @@ def _check_numbers(c: TrainConfig) -> None:
              f"must be >= -1 (0 = only at the end, -1 = only on preemption), got {t.ckpt_every}")
     _require(t.check_weights_every >= 0, "trainer.check_weights_every",
              f"must be >= 0 (0 = only before checkpoints), got {t.check_weights_every}")
-    _choice(c.resume, "resume", ("auto", "force"))
+    _choice(c.resume, "resume", ("auto", "force", "restart"))
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", f"must be > 0 or null, got {t.peak_flops}")
     _choice(t.distributed, "trainer.distributed", ("ddp", "fsdp"))
     _choice(t.precision, "trainer.precision", ("auto", "bf16", "fp32"))

@@ -2,10 +2,13 @@
 
 - ``run_overrides()`` (the ``${run_overrides:}`` resolver in ``conf/config.yaml``) appends the command line's
   experiment-changing overrides to the default name, so ``mixer.mu=1`` and ``mixer.mu=dk`` get different
-  directories. Overrides of the keys in ``RESUMABLE_KEYS`` (and the group choices already in the name) are left out.
+  directories. Overrides of the keys in ``RESUMABLE_KEYS`` (and the group choices already in the name) are left out;
+  values are written as the config schema reads them (``optim.lr=1e-3`` and ``optim.lr=0.001`` name one run).
 - ``fingerprint(config)`` hashes the resolved config without ``RESUMABLE_KEYS``; ``check_fingerprint`` refuses a
   resume whose config differs from the one stored in the run directory (``fingerprint.json``), naming the keys.
 - ``RunLock`` keeps a second process out of a run directory (``run.lock``: pid, host, SLURM job id).
+- ``earlier_training`` and ``set_aside_records``: a run directory whose training left records but no intact
+  checkpoint is started over only on request (``resume=restart``), its records kept under another name.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from pathlib import Path
 from types import TracebackType
@@ -26,10 +30,11 @@ FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = "run.lock"
 
 # Keys that may change between a run and its resume: bookkeeping, logging, and how (not what) it computes.
-# A key covers its sub-keys ("logging" covers logging.wandb.mode).
+# A key covers its sub-keys ("logging" covers logging.wandb.mode). trainer.max_steps is not one: it sets the
+# learning-rate schedule of the steps to come.
 RESUMABLE_KEYS = (
     "name", "runs_root", "run_dir", "resume", "logging",
-    "trainer.max_steps", "trainer.stop_after", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_last",
+    "trainer.stop_after", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_last",
     "trainer.export", "trainer.preempt_signals", "trainer.peak_flops", "trainer.reshard",
     "trainer.check_weights_every", "trainer.compile", "trainer.recompute_states",
     "data.auto_prepare", "data.num_workers", "data.prepare.num_workers", "data.prepare.progress",
@@ -47,14 +52,52 @@ def _covered(key: str, keys: tuple[str, ...]) -> bool:
     return any(key == k or key.startswith(k + ".") for k in keys)
 
 
-def name_suffix(overrides: list[str]) -> str:
-    """``"_k1=v1,k2=v2"`` from Hydra task overrides (sorted; resumable keys and named groups dropped), or ``""``."""
+def _text(value: Any) -> str:
+    """A config value as a name writes it: ``0.001``, ``30``, ``true``, ``null``, ``[0.8,0.9]``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_text(v)}" for k, v in value.items()) + "}"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def normalise(item: str, schema: type | None) -> str:
+    """``"key=value"`` with the value as Hydra parses it and ``schema`` (a structured-config dataclass) types it:
+    ``optim.lr=1e-3`` -> ``optim.lr=0.001``. A key outside the schema, a sweep or a value it refuses keeps its text."""
+    if schema is None or "=" not in item:
+        return item
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        override = OverridesParser.create().parse_override(item)
+        if override.is_sweep_override() or override.is_delete():
+            return item
+        typed = OmegaConf.structured(schema)
+        OmegaConf.update(typed, override.key_or_group, override.value(), merge=True)
+        value = OmegaConf.select(typed, override.key_or_group, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return item
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return f"{override.key_or_group}={_text(value)}"
+
+
+def name_suffix(overrides: list[str], schema: type | None = None) -> str:
+    """``"_k1=v1,k2=v2"`` from Hydra task overrides (sorted; resumable keys and named groups dropped; values
+    normalised by ``schema``, see ``normalise``), or ``""``."""
     kept = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
         if key in _NAMED_GROUPS or _covered(key, RESUMABLE_KEYS) or key.startswith(("hydra.", "hydra/")):
             continue
-        kept.append(re.sub(r"[^A-Za-z0-9._=+,-]", "_", item.lstrip("+~")))
+        kept.append(re.sub(r"[^A-Za-z0-9._=+,-]", "_", normalise(item.lstrip("+~"), schema)))
     if not kept:
         return ""
     suffix = ",".join(sorted(kept))
@@ -63,13 +106,13 @@ def name_suffix(overrides: list[str]) -> str:
     return "_" + suffix
 
 
-def run_overrides() -> str:
+def run_overrides(schema: type | None = None) -> str:
     """The ``${run_overrides:}`` resolver: ``name_suffix`` of the running Hydra job's overrides ("" outside one)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return ""
-    return name_suffix(list(HydraConfig.get().overrides.task))
+    return name_suffix(list(HydraConfig.get().overrides.task), schema)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -134,6 +177,39 @@ def store_fingerprint(run_dir: Path, config: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"fingerprint": fingerprint(config), "config": config}, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def earlier_training(run_dir: Path) -> str:
+    """What in ``run_dir`` shows that training ran there (metrics records, checkpoints set aside as damaged), as
+    a phrase for a message; ``""`` when nothing does."""
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"records in {metrics.name}")
+    ckpts = run_dir / "checkpoints"
+    damaged = sorted(p.name for p in ckpts.glob("step_*.corrupt")) if ckpts.is_dir() else []
+    if damaged:
+        found.append(f"checkpoints set aside as damaged: {', '.join(damaged[:3])}"
+                     + (f" (+{len(damaged) - 3} more)" if len(damaged) > 3 else ""))
+    return "; ".join(found)
+
+
+def set_aside_records(run_dir: Path) -> list[Path]:
+    """Rename the records of an earlier start (``metrics.jsonl``, the ``hf`` export) to ``<stem>.<UTC time>``
+    names that nothing overwrites; returns the new paths."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved = []
+    for name in ("metrics.jsonl", "hf"):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        stem, suffix = (path.stem, path.suffix) if path.is_file() else (path.name, "")
+        target, n = run_dir / f"{stem}.{stamp}{suffix}", 1
+        while target.exists():
+            target, n = run_dir / f"{stem}.{stamp}-{n}{suffix}", n + 1
+        os.replace(path, target)
+        moved.append(target)
+    return moved
 
 
 def _pid_alive(pid: int) -> bool:

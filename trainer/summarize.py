@@ -4,7 +4,8 @@
     python -m trainer.summarize --compare runs/a runs/b  # loss-curve agreement of two runs (e.g. 1 vs 2 GPUs)
 
 Speed columns are medians over the logged intervals after the first (which includes start-up and
-compilation).
+compilation). A directory without training records (a refused or not yet started run, a folder of another
+kind) is skipped with a line naming it on stderr; the command fails only when no run is left.
 """
 from __future__ import annotations
 
@@ -85,13 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         if len(args.runs) != 2:
             p.error("--compare takes exactly two run directories")
-        result: Any = compare(*args.runs)
+        try:
+            result: Any = compare(*args.runs)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(" | ".join(f"{k} {_fmt(v)}" for k, v in result.items()))
         ok = result["max_rel_gap"] <= args.tol
         print(f"{'MATCH' if ok else 'MISMATCH'}: largest smoothed relative gap {result['max_rel_gap']:.4f} "
               f"(tolerance {args.tol})")
     else:
-        result = [summarize(r) for r in args.runs]
+        result = []
+        for run in args.runs:
+            try:
+                result.append(summarize(run))
+            except ValueError as e:  # no metrics.jsonl, no training record yet, or a damaged line
+                print(f"skipped {run}: {e}", file=sys.stderr)
+        if not result:
+            print(f"no run to summarise among {len(args.runs)} director{'y' if len(args.runs) == 1 else 'ies'}",
+                  file=sys.stderr)
+            return 1
         keys = list(result[0])
         print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
         for row in result:
