@@ -9,7 +9,9 @@ perplexity and the overwrite probe, from one Hydra command (conf/eval/config.yam
     python evaluate.py -m model=runs/a,runs/b hydra/launcher=slurm                   # a sweep on SLURM
 
 Each suite writes ``<run dir>/eval/<suite>.json`` (schema in eval/results.py) after every finished cell; a rerun
-skips finished suites and cells unless ``overwrite=true``. Bad input exits with one line naming the fix.
+skips finished suites and cells unless ``overwrite=true``. Evaluations of one model may run at once (a sweep, SLURM
+jobs): their cells merge into the same files, and a cell one of them is computing is not computed twice. Bad input
+exits with one line naming the fix.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
 import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
-from eval.harness import Unavailable, go_offline, load_model
+from eval.harness import Unavailable, go_offline, load_model, quiet_lm_eval
 from eval.model_dir import full_attention_limit, model_metadata, resolve, training_context
 from eval.suites import Context, run_beta_eff, run_lm, run_ppl, run_retrieval
 
@@ -46,6 +48,8 @@ def build_context(cfg: Any) -> Context:
     from data import load_tokenizer
 
     target = resolve(cfg.model)
+    if "ruler" in cfg.suites:  # essays that cannot be reached stop the run before the model is loaded
+        eval.ruler_suite.load_ruler_haystack(cfg.ruler)
     if cfg.out_dir:
         target = dataclasses.replace(target, out_dir=Path(cfg.out_dir))
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
@@ -87,7 +91,9 @@ def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) ->
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    """Run ``cfg.suites`` on ``cfg.model``; returns ``{"reports": {suite: results file}, "skipped": {...}}``."""
+    """Run ``cfg.suites`` on ``cfg.model``; returns ``{"reports": {suite: results file}, "skipped": {...}}``.
+    Prints one table of every suite's cells, what was skipped, and ``cfg.expected`` (what a preset's model should
+    score) when set."""
     suites = list(cfg.suites)
     unknown = [s for s in suites if s not in RUNNERS]
     if unknown or not suites:
@@ -96,19 +102,22 @@ def run(cfg: Any) -> dict[str, Any]:
         go_offline()
     ctx = build_context(cfg)
     reports: dict[str, dict[str, Any]] = {}
-    for suite in suites:
-        try:
-            rep = RUNNERS[suite](ctx, cfg[suite])
-        except Unavailable as e:
-            if not ctx.skip_unavailable:
-                raise
-            ctx.skipped[suite] = str(e)
-            continue
-        if rep["results"]:
-            reports[suite] = rep
-        elif not any(k.startswith(f"{suite}/") for k in ctx.skipped):
-            ctx.skipped[suite] = "no cell ran"
+    with quiet_lm_eval():
+        for suite in suites:
+            try:
+                rep = RUNNERS[suite](ctx, cfg[suite])
+            except Unavailable as e:
+                if not ctx.skip_unavailable:
+                    raise
+                ctx.skipped[suite] = str(e)
+                continue
+            if rep["results"]:
+                reports[suite] = rep
+            elif not any(k.startswith(f"{suite}/") for k in ctx.skipped):
+                ctx.skipped[suite] = "no cell ran"
     print(format_table(reports, ctx.skipped))
+    if cfg.get("expected"):
+        print(f"expected: {' '.join(str(cfg.expected).split())}")
     print(f"results in {ctx.target.out_dir}")
     return {"reports": reports, "skipped": dict(ctx.skipped)}
 

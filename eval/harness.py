@@ -7,7 +7,10 @@ falls back to 2048, and WikiText's rolling perplexity depends on it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,12 @@ TABLE1_TASKS = ("wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande",
 ACC_METRIC = {"lambada_openai": "acc", "piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc",
               "arc_easy": "acc", "arc_challenge": "acc_norm"}
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# lm-eval's warnings about the way it is called, which our calls trigger on purpose (a loaded model object; task
+# options passed through TaskManager metadata): nothing a user can act on. Its other warnings (truncation, ...) pass.
+NOT_ACTIONABLE = ("`pretrained` model kwarg is not of type `str`",
+                  "Passed an already-initialized model through `pretrained`",
+                  "Custom kwargs can be passed to `--metadata`")
+LM_EVAL_LOGGERS = ("lm_eval.models.huggingface", "lm_eval.api.task", "lm_eval.evaluator")
 
 
 class Unavailable(RuntimeError):
@@ -33,6 +42,27 @@ def go_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     huggingface_hub.constants.HF_HUB_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True
+
+
+class _DropNotActionable(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(text in msg for text in NOT_ACTIONABLE)
+
+
+@contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """Inside the ``with`` block, lm-eval's loggers drop the warnings listed in ``NOT_ACTIONABLE``; the filter is
+    removed on exit, so lm-eval used elsewhere in the process keeps all of its messages."""
+    drop = _DropNotActionable()
+    loggers = [logging.getLogger(name) for name in LM_EVAL_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
 
 
 def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eval.results import file_lock, git_commit
+from trainer.checkpoint import write_json_atomic
+
 log = logging.getLogger("evaluate")
 DEFAULT_MAX_LENGTH = 4096  # the paper's training context (docs/protocol.md §8)
+EXPORT_MANIFEST = "export.json"  # written last into a checkpoint's hf/ export: the export is complete
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -37,11 +43,46 @@ def _run_config(run_dir: Path | None) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False) or {}
 
 
+def export_complete(hf_dir: Path) -> bool:
+    """Whether ``hf_dir`` is a finished checkpoint export: its ``export.json`` lists every file with its size."""
+    try:
+        files = json.loads((hf_dir / EXPORT_MANIFEST).read_text())["files"]
+        return bool(files) and all((hf_dir / name).is_file() and (hf_dir / name).stat().st_size == size
+                                   for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
-    """Write ``<checkpoint>/hf`` from a checkpoint's weights and the run's config (skipped when present)."""
+    """``<checkpoint>/hf`` from a checkpoint's weights and the run's config, exported once.
+
+    The export is written under a temp name, given its ``export.json`` (file sizes) and renamed into place, under
+    ``<checkpoint>/.hf.lock`` so that concurrent evaluations export it once. An ``hf/`` without a matching
+    ``export.json`` (an export that was interrupted or damaged) is replaced."""
     out = ckpt / "hf"
-    if (out / "config.json").is_file():
+    if export_complete(out):
         return out
+    with file_lock(ckpt / ".hf.lock"):
+        if export_complete(out):  # exported by another evaluation while this one waited
+            return out
+        for stale in ckpt.glob(".hf.*.tmp"):  # left by an export that was killed (only the lock holder writes)
+            shutil.rmtree(stale, ignore_errors=True)
+        if out.exists():
+            log.warning(f"{out} is an incomplete export (interrupted or damaged); exporting the checkpoint again")
+        staging = ckpt / f".hf.{os.getpid()}.tmp"
+        _write_export(ckpt, run_dir, staging / "hf")
+        files = {str(p.relative_to(staging / "hf")): p.stat().st_size
+                 for p in sorted((staging / "hf").rglob("*")) if p.is_file()}
+        write_json_atomic(staging / "hf" / EXPORT_MANIFEST, {"checkpoint": ckpt.name, "files": files})
+        if out.exists():
+            os.replace(out, staging / "old")
+        os.replace(staging / "hf", out)
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
+    """Build the run's model, load the checkpoint's full weights and write a Hugging Face export to ``out``."""
     import torch
     from accelerate import Accelerator
     from omegaconf import OmegaConf
@@ -54,7 +95,7 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
     weights = [p for p in (ckpt / "pytorch_model.bin", ckpt / "model.safetensors") if p.is_file()]
     if not weights:
         raise FileNotFoundError(f"{ckpt} holds no full model weights (pytorch_model.bin); an FSDP checkpoint is "
-                                "sharded: export it by resuming the run with trainer.max_steps=<its step>")
+                                "sharded: export it by resuming the run with trainer.max_steps=<its step> resume=force")
     # the model's part of the run config (the training budget is not re-validated here)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), _run_config(run_dir)))
     shard_dir = Path(cfg.data.prepare.get("out_dir") or "")
@@ -69,8 +110,8 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
 
         state = load_file(weights[0])
     model.load_state_dict(state)
-    log.info(f"exporting {ckpt} to {out}")
-    return export_hf(Accelerator(cpu=True), model, tokenizer, out)
+    log.info(f"exporting {ckpt} to {ckpt / 'hf'}")
+    export_hf(Accelerator(cpu=True), model, tokenizer, out)
 
 
 def resolve(path: str | Path) -> Target:
@@ -140,7 +181,7 @@ def _last_metrics(run_dir: Path) -> dict[str, Any]:
 
 def model_metadata(target: Target, model: Any) -> dict[str, Any]:
     """The ``model`` block of a results file: paths, mixer, size, pattern, options, parameter counts, tokens
-    trained, training seed, step and the commit the run was trained from (when recorded)."""
+    trained, training seed, step and the code's commit (see :func:`_commit`)."""
     from models import parameter_counts
 
     cfg = _run_config(target.run_dir)
@@ -160,5 +201,14 @@ def model_metadata(target: Target, model: Any) -> dict[str, Any]:
         "parameters": int(total), "non_embedding_parameters": None if non_embedding is None else int(non_embedding),
         "tokens_trained": last.get("tokens"), "seed": cfg.get("seed"),
         "step": target.step if target.step is not None else last.get("step"),
-        "git_commit": cfg.get("git_commit"),
+        **_commit(cfg),
     }
+
+
+def _commit(run_cfg: dict[str, Any]) -> dict[str, str | None]:
+    """``git_commit``: the commit the run's config records, else this checkout's (training records none today);
+    ``git_commit_source`` says which (``run`` / ``evaluation checkout``; ``None`` outside a git checkout)."""
+    if run_cfg.get("git_commit"):
+        return {"git_commit": run_cfg["git_commit"], "git_commit_source": "run"}
+    commit = git_commit()
+    return {"git_commit": commit, "git_commit_source": "evaluation checkout" if commit else None}

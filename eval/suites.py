@@ -2,12 +2,11 @@
 shard perplexity), ``beta_eff`` (the overwrite probe); ``ruler`` (Table 2) is in :mod:`eval.ruler_suite`.
 
 Every suite is a list of cells (lm-eval tasks, retrieval tasks, RULER cells, shard splits) run by
-:func:`run_cells`, which writes ``<out_dir>/<suite>.json`` after each cell and skips the cells an earlier run with
-the same settings finished.
+:func:`run_cells`, which merges each finished cell into ``<out_dir>/<suite>.json`` and skips the cells an earlier
+or concurrent run with the same settings finished or is computing.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,8 +27,7 @@ from eval.harness import (
     task_manager,
 )
 from eval.model_dir import Target, check_context
-from eval.results import SampleLog, device_name, load_previous, suite_payload
-from trainer.checkpoint import write_json_atomic
+from eval.results import ResultsFile, SampleLog, device_name, suite_payload
 
 log = logging.getLogger("evaluate")
 RETRIEVAL_TASKS = ("swde", "fda", "squad", "triviaqa", "nq", "drop")
@@ -61,26 +59,29 @@ def run_cells(ctx: Context, suite: str, settings: dict[str, Any], cells: list[st
               run_cell: Callable[[str], tuple[dict[str, Any], list[dict[str, Any]]]],
               summarize: Callable[[dict[str, Any]], dict[str, Any]], unit: str = "cell",
               bar: bool = True) -> dict[str, Any]:
-    """Run the unfinished ``cells`` of ``suite`` in order, writing the results file after each one.
+    """Run the unfinished ``cells`` of ``suite`` in order, merging each into the results file as it finishes.
 
     ``run_cell(cell)`` -> ``(result, per-sample rows)``; a cell whose data is unreachable raises
     :class:`Unavailable`, which is recorded in ``ctx.skipped`` when ``ctx.skip_unavailable`` (else re-raised).
-    ``bar=False`` leaves the progress bar to the suite (RULER counts samples)."""
-    path = ctx.target.out_dir / f"{suite}.json"
-    results = load_previous(path, settings, ctx.overwrite)
-    samples = SampleLog(ctx.target.out_dir / f"{suite}.samples.jsonl", ctx.log_samples, ctx.overwrite)
+    A cell that another evaluation of this model is computing is skipped, then waited for at the end (and computed
+    here if that evaluation died first). ``bar=False`` leaves the progress bar to the suite (RULER counts samples).
+    Returns the results file as it stands at the end."""
+    store = ResultsFile(ctx.target.out_dir, suite, settings)
+    samples = SampleLog(ctx.target.out_dir / f"{suite}.samples.jsonl", ctx.log_samples)
+    results = store.start(ctx.overwrite, samples)
     todo = [c for c in cells if c not in results]
     if len(todo) < len(cells):
-        log.info(f"{suite}: {len(cells) - len(todo)} of {len(cells)} {unit}s already in {path}")
+        log.info(f"{suite}: {len(cells) - len(todo)} of {len(cells)} {unit}s already in {store.path}")
     t0 = time.perf_counter()
-    payload = None
 
-    def write() -> dict[str, Any]:
-        ordered = {c: results[c] for c in cells if c in results} | {c: v for c, v in results.items() if c not in cells}
-        return suite_payload(suite, ctx.model_meta, settings, ordered, summarize(ordered),
+    def payload(done: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+        ordered = {c: done[c] for c in cells if c in done} | {c: v for c, v in done.items() if c not in cells}
+        return suite_payload(suite, ctx.model_meta, merged, ordered, summarize(ordered),
                              time.perf_counter() - t0, device_name(ctx.device))
 
-    for cell in tqdm(todo, desc=suite, unit=unit, disable=not (ctx.progress and bar and todo), dynamic_ncols=True):
+    def compute(cell: str) -> None:
+        if cell in store.cells():  # finished by another evaluation since this one started
+            return
         try:
             result, rows = run_cell(cell)
         except Unavailable as e:
@@ -88,14 +89,21 @@ def run_cells(ctx: Context, suite: str, settings: dict[str, Any], cells: list[st
                 raise
             ctx.skipped[f"{suite}/{cell}"] = str(e)
             log.warning(f"{suite}: skipped {cell}: {e}")
-            continue
-        results[cell] = result
-        samples.write_cell(cell, rows)
-        payload = write()
-        write_json_atomic(path, payload)
-    if payload is None and results:  # nothing new: keep the file as it is
-        return json.loads(path.read_text())
-    return payload if payload is not None else write()
+            return
+        store.add(cell, result, rows, samples, payload)
+
+    busy = []
+    for cell in tqdm(todo, desc=suite, unit=unit, disable=not (ctx.progress and bar and todo), dynamic_ncols=True):
+        with store.claim(cell) as held:
+            if held:
+                compute(cell)
+            else:
+                busy.append(cell)
+    for cell in busy:
+        log.info(f"{suite}: waiting for {cell}, which another evaluation of this model is computing")
+        with store.claim(cell, wait=True):
+            compute(cell)
+    return store.read() or payload({}, settings)
 
 
 def run_lm(ctx: Context, cfg: Any) -> dict[str, Any]:
@@ -136,14 +144,15 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     unknown = [t for t in cfg.tasks if t not in RETRIEVAL_TASKS]
     if unknown:
         raise ValueError(f"unknown retrieval task(s) {unknown}: use {list(RETRIEVAL_TASKS)}")
-    from eval.tasks import MAX_GEN_TOKENS
+    from eval.tasks import MAX_GEN_TOKENS, TRUNCATION, prompt_budget
 
     context = int(cfg.context_tokens)
+    prompt_budget(context)  # a window too small for any document stops here, before the model runs
     check_context(context + MAX_GEN_TOKENS, ctx.attention_limit, f"retrieval at context_tokens={context}")
     metadata = {"tokenizer": str(ctx.target.hf_dir), "context_tokens": context,
                 "data_dir": str(Path(cfg.data_dir).expanduser()) if cfg.data_dir else None}
     manager = task_manager(None, metadata, defaults=False)
-    # the prompts are cut to `context` tokens already: HFLM must not cut them again
+    # the prompts are cut to `context - MAX_GEN_TOKENS` tokens already: HFLM must not cut them again
     lm = make_lm(ctx.model, ctx.hf_tokenizer, batch_size=ctx.batch_size, max_length=context + MAX_GEN_TOKENS)
     versions: dict[str, Any] = {}
 
@@ -158,7 +167,8 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
         done = [res[t]["score"] for t in RETRIEVAL_TASKS if t in res]
         return {"mean": sum(done) / len(done)} if len(done) == len(RETRIEVAL_TASKS) else {}
 
-    settings = {"max_length": context + MAX_GEN_TOKENS, "context_tokens": context, "limit": cfg.limit,
+    settings = {"max_length": context + MAX_GEN_TOKENS, "context_tokens": context, "truncation": TRUNCATION,
+                "limit": cfg.limit,
                 "max_new_tokens": MAX_GEN_TOKENS, "batch_size": ctx.batch_size, "dtype": ctx.dtype,
                 "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
                 "data_dir": metadata["data_dir"], "tasks": versions}

@@ -1,0 +1,121 @@
+"""Concurrent evaluations of one model share its results files: every finished cell of every process ends in the
+file, a cell is computed once even when two processes ask for it, and a cell claimed by a process that dies is
+taken over (real processes, a stubbed cell function)."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eval.model_dir import Target
+from eval.suites import Context, run_cells
+
+SETTINGS = {"max_length": 64, "seed": 0, "samples_per_cell": 3}
+SPAWN = mp.get_context("spawn")  # a clean interpreter per process, as two evaluate.py commands are
+
+
+def _evaluate(out_dir: str, cells: list[str], log: str, start: Any = None, claimed: Any = None,
+              seconds: float = 0.4) -> None:
+    """One evaluation process: runs ``cells`` through :func:`run_cells`, appending each computed cell to ``log``
+    and writing what ``run_cells`` returned to ``<log>.json``. ``claimed`` is set once a cell is being computed."""
+    ctx = Context(target=Target(Path(out_dir), None, Path(out_dir)), model=None, hf_tokenizer=None, tokenizer=None,
+                  device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
+                  model_meta={"name": "toy"}, progress=False)
+
+    def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        with open(log, "a") as f:
+            f.write(f"{cell}\n")
+        if claimed is not None:
+            claimed.set()
+        time.sleep(seconds)
+        return {"score": 10.0 + len(cell), "pid": os.getpid()}, []
+
+    if start is not None:
+        start.wait()
+    rep = run_cells(ctx, "ruler", dict(SETTINGS), cells, run_cell, lambda res: {"cells": len(res)})
+    Path(f"{log}.json").write_text(json.dumps(rep))
+
+
+def _computed(log: Path) -> list[str]:
+    return log.read_text().split() if log.is_file() else []
+
+
+def _run_pair(tmp_path: Path, cells_a: list[str], cells_b: list[str]) -> tuple[dict, dict]:
+    start = SPAWN.Barrier(2)
+    procs = [SPAWN.Process(target=_evaluate, args=(str(tmp_path / "eval"), cells, str(tmp_path / name), start))
+             for name, cells in (("a", cells_a), ("b", cells_b))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"an evaluation process failed (exit {p.exitcode})"
+    return tuple(json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")  # type: ignore[return-value]
+
+
+def test_two_evaluations_of_one_model_keep_each_others_cells(tmp_path: Path) -> None:
+    a_cells, b_cells = ["niah_single_1@1024", "niah_single_1@2048"], ["niah_single_2@1024", "niah_single_2@2048"]
+    _run_pair(tmp_path, a_cells, b_cells)
+    final = json.loads((tmp_path / "eval" / "ruler.json").read_text())
+    assert sorted(final["results"]) == sorted(a_cells + b_cells)
+    assert final["summary"] == {"cells": 4}
+    assert sorted(_computed(tmp_path / "a")) == sorted(a_cells)
+    assert sorted(_computed(tmp_path / "b")) == sorted(b_cells)
+
+
+def test_a_cell_asked_for_by_two_evaluations_is_computed_once(tmp_path: Path) -> None:
+    cells = [f"niah_single_1@{n}" for n in (1024, 2048, 4096, 8192)]
+    rep_a, rep_b = _run_pair(tmp_path, cells, cells)
+    done = _computed(tmp_path / "a") + _computed(tmp_path / "b")
+    assert sorted(done) == sorted(cells)  # each cell once, shared out between the two
+    assert _computed(tmp_path / "a") and _computed(tmp_path / "b")
+    assert list(rep_a["results"]) == cells and list(rep_b["results"]) == cells  # both report the whole suite
+    on_disk = json.loads((tmp_path / "eval" / "ruler.json").read_text())["results"]
+    assert {c: r["pid"] for c, r in on_disk.items()} == {c: r["pid"] for c, r in rep_a["results"].items()}
+
+
+def test_a_cell_claimed_by_a_killed_evaluation_is_taken_over(tmp_path: Path) -> None:
+    slow, quick = "niah_single_1@1024", "niah_single_1@2048"
+    out, claimed = tmp_path / "eval", SPAWN.Event()
+    holder = SPAWN.Process(target=_evaluate, args=(str(out), [slow], str(tmp_path / "a"), None, claimed, 600.0))
+    holder.start()
+    try:
+        assert claimed.wait(120), "the first evaluation never started its cell"
+        other = SPAWN.Process(target=_evaluate, args=(str(out), [slow, quick], str(tmp_path / "b")))
+        other.start()
+        deadline = time.monotonic() + 120
+        while quick not in _computed(tmp_path / "b") or not (out / "ruler.json").is_file():
+            assert time.monotonic() < deadline and other.is_alive(), "the second evaluation did not skip the cell"
+            time.sleep(0.2)
+        time.sleep(0.5)  # it now waits for the claimed cell
+        assert other.is_alive()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
+    other.join(120)
+    assert other.exitcode == 0
+    assert _computed(tmp_path / "b") == [quick, slow]  # skipped the claimed cell first, took it over after the kill
+    assert sorted(json.loads((out / "ruler.json").read_text())["results"]) == sorted([slow, quick])
+
+
+def test_a_file_written_meanwhile_with_other_settings_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    out.mkdir()
+    ctx = Context(target=Target(out, None, out), model=None, hf_tokenizer=None, tokenizer=None,
+                  device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
+                  model_meta={"name": "toy"}, progress=False)
+
+    def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        other = {"settings": {**SETTINGS, "samples_per_cell": 500}, "results": {"x@1": {"score": 1.0}}}
+        (out / "ruler.json").write_text(json.dumps(other))  # another evaluation, started with other settings
+        return {"score": 2.0}, []
+
+    with pytest.raises(ValueError, match=r"written with other settings \(samples_per_cell\)"):
+        run_cells(ctx, "ruler", dict(SETTINGS), ["y@1"], run_cell, lambda res: {})
+    assert json.loads((out / "ruler.json").read_text())["results"] == {"x@1": {"score": 1.0}}
