@@ -46,8 +46,8 @@ class CausalSDPA(nn.Module):
 
 
 def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Module:
-    """A single mixer layer on CUDA in bf16; ``settings``: Diagonal KDN's memory route (:func:`variant`). Raises
-    ImportError when its kernels are not installed."""
+    """A single mixer layer on CUDA in bf16; ``settings``: Diagonal KDN's memory route (:func:`variant`) and the KDN
+    memory's ``precision``. Raises ImportError when its kernels are not installed."""
     import fla.layers as fl
 
     import kdn
@@ -55,7 +55,7 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
 
     makers: dict[str, Callable[[], nn.Module]] = {
         "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K, **settings),
-        "kdn_iso": lambda: kdn.IsotropicKDN(d, H, K),
+        "kdn_iso": lambda: kdn.IsotropicKDN(d, H, K, **settings),
         "kda": lambda: fl.KimiDeltaAttention(hidden_size=d, num_heads=H, head_dim=K),
         "deltanet": lambda: fl.DeltaNet(hidden_size=d, num_heads=H),
         "gdn": lambda: fl.GatedDeltaNet(hidden_size=d, num_heads=H, head_dim=K, expand_v=1),
@@ -66,8 +66,8 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
     }
     if name not in makers:
         raise ValueError(f"unknown mixer {name!r}; known: {sorted(makers)}")
-    if settings and name != "kdn_diag":
-        raise ValueError(f"only kdn_diag takes memory settings, got {settings} for {name!r}")
+    if settings and name not in ("kdn_diag", "kdn_iso"):
+        raise ValueError(f"only the KDN mixers take memory settings, got {settings} for {name!r}")
     return makers[name]().cuda().to(torch.bfloat16)
 
 
@@ -90,7 +90,7 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> 
     if name in ("kdn_diag", "kdn_iso"):
         iso = name == "kdn_iso"
         omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
-        fn = kdn.isotropic_kdn if iso else partial(kdn.diagonal_kdn, **settings)
+        fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, **settings)
         return lambda: fn(q, k, v, g, omega, r)[0].sum().backward()
     return None
 
@@ -137,9 +137,11 @@ def host_ms(fn: Callable[[], None], repeats: int = 3) -> float:
     return elapsed / repeats * 1e3
 
 
-def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> dict:
-    """One row (``name`` may carry a :func:`variant` tag)."""
+def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int, precision: str | None = None) -> dict:
+    """One row (``name`` may carry a :func:`variant` tag; ``precision``: the KDN memory's, recorded in the row)."""
     base, settings = variant(name)
+    if precision is not None:
+        settings["precision"] = precision
     layer = build_layer(base, d, H, K, **settings)
     n_params = sum(p.numel() for p in layer.parameters())
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -161,7 +163,8 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int) -> 
     ms_kernel = time_ms(kf, repeats) if kf is not None else None
     linear_flops = 6 * n_params * B * T  # projections, fwd+bwd
     row = {
-        "mixer": name, "T": T, "ms_fwdbwd": ms_fb, "ms_fwd": ms_f, "ms_kernel_fwdbwd": ms_kernel,
+        "mixer": name, **({} if precision is None else {"precision": precision}), "T": T, "ms_fwdbwd": ms_fb,
+        "ms_fwd": ms_f, "ms_kernel_fwdbwd": ms_kernel,
         "ms_host_fwdbwd": ms_host,
         "tokens_per_s": B * T / (ms_fb / 1e3), "peak_mem_gb": peak, "params": n_params,
         "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
@@ -207,14 +210,15 @@ def report(rows: list[dict]) -> None:
     print(f"\n{'mixer':<14}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'host ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
           f"{'x KDA':>7}{'peak GB':>9}{'kern TF/s':>11}{'kern GB/s':>11}")
     for r in rows:
+        label = r["mixer"] + (f"/{r['precision']}" if "precision" in r else "")
         if "error" in r:
-            print(f"{r['mixer']:<14}{r['T']:>7}  {r['error'][:70]}")
+            print(f"{label:<14}{r['T']:>7}  {r['error'][:70]}")
             continue
         kern = f"{r['ms_kernel_fwdbwd']:.2f}" if r["ms_kernel_fwdbwd"] is not None else "-"
         ratio = r["tokens_per_s"] / ref[r["T"]] if r["T"] in ref else math.nan
         tf = f"{r['kernel_tflops']:.1f}" if "kernel_tflops" in r else "-"
         gb = f"{r['kernel_gbps']:.0f}" if "kernel_gbps" in r else "-"
-        print(f"{r['mixer']:<14}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{r['ms_host_fwdbwd']:>9.2f}{kern:>11}"
+        print(f"{label:<14}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{r['ms_host_fwdbwd']:>9.2f}{kern:>11}"
               f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}{tf:>11}{gb:>11}")
     print(f"ceilings: {roofline.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 dense, {roofline.H200_HBM_TBPS} TB/s HBM "
           "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time); "
@@ -242,6 +246,8 @@ def main() -> None:
                              "attn"])
     ap.add_argument("--T", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--precision", nargs="+", choices=["bf16", "fp32"],
+                    help="time the KDN mixers at each of these memory precisions (default: the layers' default)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, default=RESULTS / "mixer_throughput.json")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -264,11 +270,13 @@ def main() -> None:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "commit": git_commit(),
     }
     for T in args.T:
-        for name in args.mixers:
+        for name, precision in [(n, p) for n in args.mixers
+                                for p in (args.precision if args.precision and n.startswith("kdn") else [None])]:
             try:
-                row = measure(name, args.batch, T, d, H, K, args.repeats)
+                row = measure(name, args.batch, T, d, H, K, args.repeats, precision)
             except Exception as e:  # kernels missing, refused or out of resources here: a row that says so
-                row = {"mixer": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row = {"mixer": name, **({} if precision is None else {"precision": precision}), "T": T,
+                       "error": f"{type(e).__name__}: {str(e)[:200]}"}
             torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)

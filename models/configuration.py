@@ -9,6 +9,10 @@ from models.registry import MIXERS
 
 LAYER_CODES = {"R": "the configured mixer", "S": "sliding-window attention (config.window)", "A": "full attention"}
 NAMED_PATTERNS = {"recurrent": "R", "hybrid_swa": "RS"}
+INIT_RULES = ("fla", "authors")
+"""Weight initialisation rules (``KDNConfig.init``; models/README.md, "Initialisation"): ``fla`` is fla's models'
+(every linear, conv and embedding weight ``N(0, initializer_range)``), ``authors`` lit-gpt's ``mamba_init``, which
+the authors' released configs set."""
 
 
 def layer_pattern(pattern: str, num_layers: int) -> str:
@@ -44,7 +48,11 @@ class KDNConfig(PretrainedConfig):
     end, norms, SwiGLU and LM head (``False``: their PyTorch code on CUDA too); ``recompute_states`` makes the
     asymmetric memory's backward (KDN, KDA) recompute its WY terms and chunk states instead of keeping them (less
     memory, slower). The Diagonal KDN memory route is a mixer keyword (``mixer_kwargs["memory"]``, ``"asym"`` or
-    ``"dplr"``, with ``"chunk_size"``).
+    ``"dplr"``, with ``"chunk_size"``), and so is both KDNs' memory precision (``mixer_kwargs["precision"]``,
+    ``"bf16"`` or ``"fp32"``; docs/kernels.md, "Precision"; ``+mixer.kwargs.precision=fp32`` in training,
+    ``kdn_diag/precision=fp32`` in ``eval.mqar``).
+
+    ``init`` names the weight initialisation rule (:data:`INIT_RULES`): ``"fla"`` (the default) or ``"authors"``.
     """
 
     model_type = "kdn_lm"
@@ -72,6 +80,7 @@ class KDNConfig(PretrainedConfig):
         use_cache: bool = True,
         fused: bool = True,
         recompute_states: bool = False,
+        init: str = "fla",
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
@@ -96,6 +105,7 @@ class KDNConfig(PretrainedConfig):
         self.use_cache = use_cache
         self.fused = fused
         self.recompute_states = recompute_states
+        self.init = init
         self.check()
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -146,5 +156,8 @@ class KDNConfig(PretrainedConfig):
         for name in ("fused", "recompute_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.init not in INIT_RULES:
+            raise ValueError(f"init must be one of {list(INIT_RULES)} (the weight initialisation rule), got "
+                             f"{self.init!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")

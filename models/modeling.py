@@ -7,6 +7,7 @@ and ``AutoModelForCausalLM`` (``model_type = "kdn_lm"``) when :mod:`models` is i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -23,6 +24,10 @@ from models.configuration import KDNConfig
 from models.layers.common import RMSNorm, check_cu_seqlens
 from models.layers.lm_head import LMHead
 from models.registry import MIXERS
+
+AUTHORS_EMBEDDING_STD = 0.02
+"""The embedding's standard deviation under ``init="authors"`` (lit-gpt's ``mamba_init``), whatever
+``initializer_range`` says."""
 
 # transformers renamed the output's cache field (``past_key_values`` in 5.17, ``cache`` by 5.24)
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -75,9 +80,14 @@ class KDNBlock(GradientCheckpointingLayer):
         super().__init__()
         name, kwargs = config.layer_mixer(layer_idx)
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, fused=config.fused)
-        self.mixer = MIXERS[name].build(config, layer_idx, kwargs)
+        spec = MIXERS[name]
+        self.mixer = spec.build(config, layer_idx, kwargs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, fused=config.fused)
         self.mlp = SwiGLU(config.hidden_size, config.ffn_width(layer_idx), fused=config.fused)
+        # the projections that write into the residual stream and that init="authors" rescales
+        self.mlp.down_proj._residual_out = True
+        if spec.residual_out is not None:
+            getattr(self.mixer, spec.residual_out)._residual_out = True
 
     def forward(
         self, hidden_states: Tensor, residual: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -95,7 +105,8 @@ class KDNBlock(GradientCheckpointingLayer):
 
 
 class KDNPreTrainedModel(PreTrainedModel):
-    """Weight initialisation (fla's scheme) and HF plumbing shared by the KDN models."""
+    """Weight initialisation (``config.init``: fla's rule or the authors') and HF plumbing shared by the KDN
+    models."""
 
     config_class = KDNConfig
     base_model_prefix = "model"
@@ -105,17 +116,39 @@ class KDNPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """``N(0, initializer_range)`` for linear, conv and embedding weights, zero biases; mixer-specific
-        parameters keep their constructor initialisation, as do modules marked ``_keep_init``."""
-        std = self.config.initializer_range
-        if getattr(module, "_keep_init", False):
+        """``init="fla"``: ``N(0, initializer_range)`` for linear, conv and embedding weights, zero biases.
+        ``init="authors"``: :meth:`_init_authors`. Under both, mixer-specific parameters keep their constructor
+        initialisation, as do the modules whose ``_keep_init`` names the rule."""
+        if self.config.init in getattr(module, "_keep_init", ()):
             return
+        if self.config.init == "authors":
+            self._init_authors(module)
+            return
+        std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Conv1d)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def _init_authors(self, module: nn.Module) -> None:
+        """lit-gpt's ``mamba_init``, as the authors' configs set it (models/README.md, "Initialisation"): linear and
+        conv weights drawn from PyTorch's default, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` (kaiming-uniform with
+        ``a = sqrt(5)``), biases zero, embeddings ``N(0, 0.02)``; the projections marked ``_residual_out`` (the
+        FFN's down projection, attention's and Mamba-3's output) drawn from that default divided by
+        ``sqrt(2 num_layers)``. The weights are drawn again rather than kept, so the rule holds for weights a
+        constructor zeroed and for models built on the meta device. A tied LM head keeps the embedding's draw."""
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=AUTHORS_EMBEDDING_STD)
+        elif isinstance(module, (nn.Linear, nn.Conv1d)):
+            if isinstance(module, LMHead) and self.config.tie_word_embeddings:
+                return
+            scale = math.sqrt(2 * self.config.num_layers) if getattr(module, "_residual_out", False) else 1.0
+            bound = 1.0 / math.sqrt(module.weight[0].numel()) / scale  # weight[0]: one output's fan-in
+            nn.init.uniform_(module.weight, -bound, bound)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
 
 class KDNModel(KDNPreTrainedModel):

@@ -5,7 +5,8 @@ known ones. ``spec.build(config, layer_idx, kwargs)`` makes the module (``kwargs
 config's ``mixer_kwargs`` or, for attention layers of a hybrid pattern, the window; the config's ``fused`` and
 ``recompute_states`` reach every mixer that reads them);
 ``spec.state_size(config, kwargs)`` is the recurrent memory per sequence and layer, in elements
-(``None`` for full attention, whose cache grows with the sequence).
+(``None`` for full attention, whose cache grows with the sequence); ``spec.residual_out`` names the output
+projection that the ``authors`` initialisation rescales (see :class:`MixerSpec`).
 """
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ from models.layers.mamba3 import Mamba3
 
 @dataclass(frozen=True)
 class MixerSpec:
-    """How to build one kind of mixer and how much recurrent state it carries."""
+    """How to build one kind of mixer and how much recurrent state it carries.
+
+    ``residual_out``: the attribute of the mixer's output projection that lit-gpt's ``mamba_init`` rescales by
+    ``1 / sqrt(2 num_layers)`` (its rule matches the names ``out_proj``, attention's ``proj`` and the FFN's ``w3``):
+    attention's ``o_proj`` and Mamba-3's ``out_proj``; ``None`` for the delta mixers, whose ``o_proj`` the rule
+    leaves at PyTorch's default, as in the authors' KDN and GDN-2 layers."""
 
     name: str
     kwargs: tuple[str, ...]
     build: Callable[[Any, int, dict], nn.Module]
     state_size: Callable[[Any, dict], int | None]
+    residual_out: str | None = None
 
 
 class MixerRegistry(dict):
@@ -57,14 +64,18 @@ def _kdn(isotropic: bool) -> MixerSpec:
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         layer = cls(cfg.hidden_size, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size, norm_eps=cfg.norm_eps,
                     layer_idx=idx, fused=cfg.fused, recompute_states=cfg.recompute_states, **kw)
-        if hasattr(layer, "omega_proj"):  # the zero-initialised process noise (docs/math.md §5) survives weight init
-            (layer.omega_proj if isotropic else layer.omega_proj[-1])._keep_init = True
+        if hasattr(layer, "omega_proj"):
+            # the zero-initialised process noise (docs/math.md §5) survives the named weight-init rules: both for
+            # Diagonal KDN's last stage, fla's alone for Isotropic KDN's projection, whose weight the authors' rule
+            # draws like any linear's (their layer zeroes only its bias)
+            last = layer.omega_proj if isotropic else layer.omega_proj[-1]
+            last._keep_init = ("fla",) if isotropic else ("fla", "authors")
         return layer
 
     def state(cfg: Any, kw: dict) -> int:
         return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
 
-    kwargs = ("mu", "alpha_param", "noise", "backend") + (() if isotropic else ("memory", "chunk_size"))
+    kwargs = ("mu", "alpha_param", "noise", "backend", "precision") + (() if isotropic else ("memory", "chunk_size"))
     return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", kwargs, build, state)
 
 
@@ -120,7 +131,7 @@ def _mamba3(mimo: bool) -> MixerSpec:
         inner = int(kw.get("expand", 2) * cfg.hidden_size)
         return inner * mamba3_state_size(cfg, kw)
 
-    return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}", MAMBA3_KWARGS, build, state)
+    return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}", MAMBA3_KWARGS, build, state, "out_proj")
 
 
 def attention_window(cfg: Any, kw: dict) -> int | None:
@@ -139,7 +150,7 @@ def _attn() -> MixerSpec:
         w = window(cfg, kw)
         return None if w is None else 2 * (w - 1) * cfg.num_heads * cfg.head_dim
 
-    return MixerSpec("attn", ("window", "rope_theta"), build, state)
+    return MixerSpec("attn", ("window", "rope_theta"), build, state, "o_proj")
 
 
 MIXERS: MixerRegistry = MixerRegistry({

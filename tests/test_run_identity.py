@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from toy_run import ROOT, TOY, losses, make_cfg, rows, run_train, shard_overrides
 
+from trainer.config import build_model_config, load_config
 from trainer.optim import warmup_cosine
 from trainer.rundir import LOCK_FILE, RunDirError, RunLock, differences, fingerprint, name_suffix
 
@@ -74,7 +75,8 @@ EXPERIMENT_OVERRIDES = {
     "data.seq_len": "data.seq_len=64", "data.varlen": "data.varlen=true",
     "mixer.alpha_param": "mixer.alpha_param=sigmoid", "mixer.kwargs": "+mixer.kwargs.memory=dplr",
     "mixer.mu": "mixer.mu=1", "mixer.name": "mixer=kda", "mixer.noise": "mixer.noise=fixed_r",
-    "model.overrides": "+model.overrides.num_layers=3", "model.size": "model=small",
+    "mixer.precision": "mixer.precision=fp32",
+    "model.init": "model.init=authors", "model.overrides": "+model.overrides.num_layers=3", "model.size": "model=small",
     "optim.betas": "optim.betas=[0.8,0.9]", "optim.eps": "optim.eps=1e-6", "optim.grad_clip": "optim.grad_clip=0.5",
     "optim.lr": "optim.lr=1e-3", "optim.min_lr_ratio": "optim.min_lr_ratio=0",
     "optim.warmup_frac": "optim.warmup_frac=0.1", "optim.weight_decay": "optim.weight_decay=0", "seed": "seed=1",
@@ -99,9 +101,10 @@ def toy_identity() -> tuple[str, dict]:
 
 
 def test_the_experiment_overrides_cover_every_identity_key(toy_identity: tuple[str, dict]) -> None:
-    from trainer.rundir import identity
+    from trainer.rundir import IMPLICIT_DEFAULTS, identity
 
-    assert set(EXPERIMENT_OVERRIDES) == set(identity(toy_identity[1]))
+    # a key at its implicit default is left out of the identity, so that runs recorded before it keep theirs
+    assert set(EXPERIMENT_OVERRIDES) == set(identity(toy_identity[1])) | set(IMPLICIT_DEFAULTS)
 
 
 @pytest.mark.parametrize("key", sorted(EXPERIMENT_OVERRIDES))
@@ -245,3 +248,17 @@ def test_processes_racing_for_a_stale_lock_let_exactly_one_in(tmp_path: Path) ->
     outcome = sorted(results.get(timeout=5) for _ in procs)
     assert outcome == ["refused"] * 3 + ["took"]
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_run_recorded_before_model_init_keeps_its_fingerprint_and_authors_changes_it() -> None:
+    from dataclasses import asdict
+
+    new = asdict(make_cfg(["model=toy"]))
+    old = {**new, "model": {k: v for k, v in new["model"].items() if k != "init"}}
+    assert fingerprint(old) == fingerprint(new) and differences(old, new) == {}
+    authors = asdict(make_cfg(["model=toy", "model.init=authors"]))
+    assert differences(old, authors) == {"model.init": [None, "authors"]}
+    assert build_model_config(load_config(authors), 512).init == "authors"
+    fp32 = asdict(make_cfg(["model=toy", "mixer.precision=fp32"]))
+    assert differences(old, fp32) == {"mixer.precision": [None, "fp32"]}
+    assert build_model_config(load_config(fp32), 512).mixer_kwargs["precision"] == "fp32"

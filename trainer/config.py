@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     size: str = "small"  # models.model_config size: toy, small, 100m, 750m, 1.3b
+    init: str = "fla"  # weight initialisation: fla (N(0, 0.02)) or authors (lit-gpt's mamba_init; models/README.md)
     overrides: dict[str, Any] = field(default_factory=dict)  # extra KDNConfig fields, e.g. {num_layers: 2}
 
 
@@ -41,6 +42,7 @@ class MixerConfig:
     mu: str | None = None  # KDN only: 1, sqrt, dk, 4dk, learned, or a positive number
     noise: str | None = None  # KDN only: learned, fixed_r, fixed_r_omega
     alpha_param: str | None = None  # KDN only: kda (default gate) or sigmoid
+    precision: str | None = None  # KDN only, CUDA memory: bf16 (default) or fp32 (docs/kernels.md, "Precision")
     kwargs: dict[str, Any] = field(default_factory=dict)  # any other mixer keyword argument
 
 
@@ -238,7 +240,7 @@ def mixer_kwargs(m: MixerConfig) -> dict[str, Any]:
 
     ``mu`` stays a string when it names a choice (``"1"``, ``"dk"``...) and becomes a float otherwise."""
     out = dict(m.kwargs)
-    for key in ("mu", "noise", "alpha_param"):
+    for key in ("mu", "noise", "alpha_param", "precision"):
         value = getattr(m, key)
         if value is not None:
             out[key] = value
@@ -254,7 +256,7 @@ def _check_mixer(m: MixerConfig) -> None:
     from models import MIXERS
 
     _choice(m.name, "mixer.name", sorted(MIXERS))
-    for key in ("mu", "noise", "alpha_param"):
+    for key in ("mu", "noise", "alpha_param", "precision"):
         if getattr(m, key) is not None and m.name not in KDN_MIXERS:
             raise ConfigError(f"mixer.{key}: only the KDN mixers ({', '.join(KDN_MIXERS)}) take it, "
                               f"mixer.name is {m.name!r}")
@@ -332,6 +334,7 @@ def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
 
     _choice(c.model.size, "model.size", list(SIZES))
     overrides = dict(c.model.overrides)
+    overrides.setdefault("init", c.model.init)
     overrides.setdefault("recompute_states", c.trainer.recompute_states)  # memory against speed (docs/results.md)
     if c.backbone.window is not None:
         overrides["window"] = c.backbone.window

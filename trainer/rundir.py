@@ -40,6 +40,9 @@ RESUMABLE_KEYS = (
     "data.auto_prepare", "data.num_workers", "data.prepare.num_workers", "data.prepare.progress",
     "data.prepare.overwrite",
 )
+# Keys added after runs were recorded, with the value those runs had: dropped from the identity at that value, so
+# the runs keep their fingerprint and resume.
+IMPLICIT_DEFAULTS = {"model.init": "fla", "mixer.precision": None}
 _NAMED_GROUPS = ("model", "mixer", "backbone")  # their choices are already in the default name
 _MAX_SUFFIX = 120  # characters; a longer suffix is cut and ends with a hash of the whole
 
@@ -129,7 +132,8 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The flattened config without ``RESUMABLE_KEYS``: what makes the experiment."""
-    return {k: v for k, v in sorted(flatten(config).items()) if not _covered(k, RESUMABLE_KEYS)}
+    return {k: v for k, v in sorted(flatten(config).items())
+            if not _covered(k, RESUMABLE_KEYS) and not (k in IMPLICIT_DEFAULTS and v == IMPLICIT_DEFAULTS[k])}
 
 
 def fingerprint(config: dict[str, Any]) -> str:

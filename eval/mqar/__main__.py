@@ -3,6 +3,9 @@
 Keys are the fields of :class:`eval.mqar.config.MQARConfig` (lists comma-separated), e.g.
 ``python -m eval.mqar mixers=kdn_diag,kda widths=64 settings=64x4 seeds=0,1,2``; ``preset=smoke`` (or ``--quick``)
 runs every mixer with one pass over 5 % of the tokens; ``train=false`` reports the jobs stored so far.
+``init=authors`` (the authors' weight initialisation) and ``precision=fp32`` (the KDN mixers' gain path) make an arm
+of their own that can share ``out`` with the others, e.g.
+``python -m eval.mqar mixers=kdn_diag,kda widths=128 lrs=3e-4 seeds=0,1,2 epochs=12 init=authors precision=fp32``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """The MQAR benchmark's settings: a dataclass, its presets, and ``key=value`` overrides from the command line."""
 from __future__ import annotations
 
-import dataclasses
+import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
+
+import torch
 
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import Budget, MixerChoice, check_curve
+from eval.mqar.train import PRECISIONS, Budget, MixerChoice, arm_suffix, check_curve
+from models.configuration import INIT_RULES
 
 ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", "gdn", "deltanet", "gdn2",
               "mamba3_siso", "mamba3_mimo", "attn")
@@ -43,6 +46,13 @@ class MQARConfig:
     are scored on, the training mixture's settings (``train``) or every scored one (``all``); the last epoch is
     always scored on all of them. ``train=false`` trains nothing and
     reports the jobs already stored under ``out`` (a grid cut short: the rest are listed as missing).
+
+    The model: ``init``, the weight initialisation rule of every model (``KDNConfig.init``: ``fla`` or
+    ``authors``); ``precision``, the KDN mixers' memory precision on CUDA (their ``precision`` option: ``bf16`` or
+    ``fp32``; a mixer written ``kdn_diag/precision=fp32`` keeps its own), recorded as not applicable (``None``) for
+    the other mixers. Both are part of each job's identity and
+    of its name where not the default, so the arms of an experiment can share ``out``; ``results`` defaults to
+    ``out/mqar<arm>.json`` (e.g. ``mqar_init-authors_fp32.json``; ``mqar.json`` at the defaults).
     """
 
     preset: str = "auto"
@@ -77,6 +87,8 @@ class MQARConfig:
     times: list[str] = field(default_factory=lambda: [H200_TIMES])
     out: str = ""
     results: str = ""
+    init: str = "fla"
+    precision: str = "bf16"
 
     def setting_objects(self) -> list[MQARSetting]:
         """``settings`` (the training mixture) parsed; raises on a malformed or impossible one."""
@@ -121,14 +133,85 @@ over 5 % of the tokens (a GPU check of the whole pipeline); ``cpu``: the smalles
 ``auto`` is ``full`` when CUDA is available and ``cpu`` otherwise."""
 
 
-def _convert(f: dataclasses.Field, text: str) -> Any:
-    kind = f.default_factory().__class__ if f.default_factory is not dataclasses.MISSING else type(f.default)
-    if kind is list:
-        item = type(f.default_factory()[0])
-        return [item(x) for x in text.split(",") if x.strip()]
+BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _scalar(kind: type, text: str) -> Any:
     if kind is bool:
-        return text.lower() in ("1", "true", "yes")
+        if text.lower() not in BOOLS:
+            raise ValueError(text)
+        return BOOLS[text.lower()]
     return kind(text)
+
+
+def _convert(name: str, text: str) -> Any:
+    """``text`` as the type of :class:`MQARConfig`'s field ``name``; a one-line ``ValueError`` naming the option
+    and its type otherwise."""
+    hint = get_type_hints(MQARConfig)[name]
+    item = get_args(hint)[0] if get_origin(hint) is list else hint
+    try:
+        if get_origin(hint) is list:
+            return [_scalar(item, x.strip()) for x in text.split(",") if x.strip()]
+        return _scalar(hint, text)
+    except ValueError:
+        what = f"a comma-separated list of {item.__name__}" if get_origin(hint) is list else item.__name__
+        raise ValueError(f"{name}={text!r} is not {what}") from None
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+RULES: dict[str, tuple[Any, str]] = {
+    "mixers": (lambda v: bool(v), "a non-empty comma-separated list of mixers (e.g. mixers=kdn_diag,kda)"),
+    "widths": (lambda v: bool(v) and all(x > 0 for x in v), "a non-empty list of positive int (e.g. widths=64,128)"),
+    "settings": (lambda v: bool(v), "a non-empty list of SEQLENxPAIRS settings (e.g. settings=64x4,128x8)"),
+    "seeds": (lambda v: bool(v) and all(x >= 0 for x in v), "a non-empty list of int >= 0 (e.g. seeds=0,1,2)"),
+    "lrs": (lambda v: bool(v) and all(_positive(x) for x in v), "a non-empty list of positive finite float "
+                                                                 "(e.g. lrs=3e-4,1e-3)"),
+    "train_examples": (lambda v: v >= 1, "an int >= 1"),
+    "max_train_tokens": (lambda v: v >= 1, "an int >= 1"),
+    "valid_examples": (lambda v: v >= 1, "an int >= 1"),
+    "test_examples": (lambda v: v >= 1, "an int >= 1"),
+    "batch_tokens": (lambda v: v >= 1, "an int >= 1"),
+    "epochs": (lambda v: v >= 1, "an int >= 1"),
+    "vocab_size": (lambda v: v >= 2, "an int >= 2"),
+    "power_a": (_positive, "a positive finite float"),
+    "head_dim": (lambda v: v >= 1, "an int >= 1"),
+    "warmup_frac": (lambda v: 0 <= v < 1, "a float in [0, 1)"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    "weight_decay": (lambda v: math.isfinite(v) and v >= 0, "a finite float >= 0"),
+    "betas": (lambda v: len(v) == 2 and all(0 <= x < 1 for x in v), "two float in [0, 1) (e.g. betas=0.9,0.95)"),
+    "eps": (_positive, "a positive finite float"),
+    "grad_clip": (_positive, "a positive finite float"),
+    "workers": (lambda v: v >= 0, "an int >= 0 (0: the device's default)"),
+    "streams": (lambda v: v >= 0, "an int >= 0 (0: the device's default)"),
+    "threads": (lambda v: v >= 1, "an int >= 1"),
+    "init": (lambda v: v in INIT_RULES, f"one of {list(INIT_RULES)}"),
+    "precision": (lambda v: v in PRECISIONS, f"one of {list(PRECISIONS)}"),
+}
+"""Each option's range: ``(test, what it must be)``; :func:`check` refuses a value outside it in one line."""
+
+
+def check(cfg: MQARConfig) -> None:
+    """Raise a one-line ``ValueError`` naming the first option of ``cfg`` out of its range (:data:`RULES`), a list
+    option that repeats a value, or a device this machine lacks."""
+    for name, (ok, what) in RULES.items():
+        value = getattr(cfg, name)
+        if not ok(value):
+            shown = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in value) \
+                if isinstance(value, list) else value
+            raise ValueError(f"{name}={shown} is out of range: it must be {what}")
+    for name in ("mixers", "widths", "settings", "test_settings", "seeds", "lrs"):
+        value = getattr(cfg, name)
+        twice = sorted({str(x) for x in value if value.count(x) > 1})
+        if twice:
+            raise ValueError(f"{name} lists {', '.join(twice)} more than once; give each value once")
+    if cfg.device != "auto":
+        try:
+            torch.device(cfg.device)
+        except RuntimeError:
+            raise ValueError(f"device={cfg.device} is not a device: use auto, cpu or cuda[:N]") from None
 
 
 def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
@@ -144,18 +227,14 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
             raise ValueError(f"argument {arg!r} is not key=value (e.g. mixers=kdn_diag,kda widths=64)")
         if key not in known:
             raise ValueError(f"unknown key {key!r}; known keys: {', '.join(known)}")
-        try:
-            explicit[key] = _convert(known[key], value)
-        except ValueError:
-            raise ValueError(f"cannot read {key}={value!r}; expected the type of {known[key].default!r}") from None
+        explicit[key] = _convert(key, value)
     preset = explicit.get("preset", "auto")
     if preset == "auto":
-        import torch
-
         preset = "full" if torch.cuda.is_available() else "cpu"
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; use one of {['auto', *PRESETS]}")
     cfg = MQARConfig(**{**PRESETS[preset], **explicit, "preset": preset})
+    check(cfg)
     check_curve(cfg.curve)
     cfg.budget()  # validates the settings, the budget and the mixers now, not after the first job
     cfg.scored_settings()
@@ -163,5 +242,5 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     if not cfg.out:
         cfg.out = f"runs/mqar/{preset}"
     if not cfg.results:
-        cfg.results = f"{cfg.out}/mqar.json"
+        cfg.results = f"{cfg.out}/mqar{arm_suffix(cfg.init, cfg.precision)}.json"
     return cfg, explicit

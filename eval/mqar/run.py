@@ -4,7 +4,10 @@ each, run by a pool of processes on one device.
 Small models leave a GPU idle, so ``workers`` processes share it, each training a group of up to ``streams`` jobs
 of one mixer and width side by side (one CUDA stream each, steps replayed from CUDA graphs), the longest first.
 Every finished job is written to ``out/jobs/<job>.json`` (temp file, then ``os.replace``); a rerun skips jobs
-whose file holds the same budget and settings, so an interrupted grid resumes where it stopped. An unfinished job
+whose file holds the same budget and settings, so an interrupted grid resumes where it stopped. The arms of an
+experiment on the model's ``init`` and ``precision`` share ``out``: a job's name carries both where they are not the
+defaults (:func:`arm_suffix`), so their files never collide, and a job they do not change (``precision`` of a mixer
+that does not take it) is one file for every arm. An unfinished job
 keeps its state after each epoch in ``out/partial/<job>.pt``, and a rerun continues it from there.
 """
 from __future__ import annotations
@@ -29,7 +32,17 @@ import torch
 
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import Budget, JobRun, MixerChoice, architecture, train_together
+from eval.mqar.train import (
+    DEFAULT_INIT,
+    DEFAULT_PRECISION,
+    Budget,
+    JobRun,
+    MixerChoice,
+    architecture,
+    arm_suffix,
+    job_precision,
+    train_together,
+)
 from eval.results import ROOT, git_commit
 from trainer.checkpoint import write_json_atomic
 
@@ -47,12 +60,15 @@ class Job:
     seed: int
     budget: Budget
     settings: tuple[MQARSetting, ...]
+    init: str = DEFAULT_INIT
+    precision: str | None = None
 
     @property
     def name(self) -> str:
-        """A file-name-safe identity, e.g. ``kdn_diag-mu-1_d64_lr0.002_s0``."""
+        """A file-name-safe identity, e.g. ``kdn_diag-mu-1_d64_lr0.002_s0``, ``kda_d128_lr0.0003_s0_init-authors``
+        or ``kdn_diag_d128_lr0.0003_s0_init-authors_fp32``."""
         mixer = re.sub(r"[^A-Za-z0-9_.-]", "-", self.mixer.label)
-        return f"{mixer}_d{self.width}_lr{self.lr:g}_s{self.seed}"
+        return f"{mixer}_d{self.width}_lr{self.lr:g}_s{self.seed}{arm_suffix(self.init, self.precision)}"
 
     @property
     def cost(self) -> float:
@@ -61,8 +77,10 @@ class Job:
 
     def identity(self) -> dict[str, Any]:
         """What the job's result depends on (a stored result with another identity is rerun): the grid's keys, the
-        budget, the scored settings and the model (:func:`eval.mqar.train.architecture`)."""
+        budget, the scored settings, the model (:func:`eval.mqar.train.architecture`), its ``init`` and its
+        ``precision`` (``None`` where it does not apply)."""
         return {"mixer": self.mixer.label, "width": self.width, "lr": self.lr, "seed": self.seed,
+                "init": self.init, "precision": self.precision,
                 "budget": asdict(self.budget), "settings": [asdict(s) for s in self.settings],
                 "model": architecture(self.mixer, self.width, self.budget.head_dim, self.budget.vocab_size)}
 
@@ -70,8 +88,9 @@ class Job:
 def build_jobs(cfg: MQARConfig) -> list[Job]:
     """The grid of ``cfg``, longest jobs first."""
     budget, settings = cfg.budget(), tuple(cfg.scored_settings())
-    jobs = [Job(m, w, lr, seed, budget, settings) for m in cfg.mixer_choices() for w in cfg.widths for lr in cfg.lrs
-            for seed in cfg.seeds]
+    jobs = [Job(m, w, lr, seed, budget, settings, cfg.init,
+                job_precision(m.name, dict(m.kwargs).get("precision", cfg.precision)))
+            for m in cfg.mixer_choices() for w in cfg.widths for lr in cfg.lrs for seed in cfg.seeds]
     return sorted(jobs, key=lambda j: -j.cost)
 
 
@@ -79,12 +98,15 @@ def load_done(path: Path, job: Job) -> dict[str, Any] | None:
     """The stored result of ``job``, or ``None`` when missing, unreadable or from another budget or model.
 
     A job file whose identity has no ``model`` key is this job's when the rest of it matches and the parameter count
-    the file records equals this model's."""
+    the file records equals this model's; one without ``init`` and ``precision`` keys was trained at the defaults
+    (fla's initialisation, the KDN mixers at ``bf16``)."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     want, have = json.loads(json.dumps(job.identity())), record.get("identity")
+    if isinstance(have, dict) and "init" not in have and "precision" not in have:
+        have = {**have, "init": DEFAULT_INIT, "precision": job_precision(job.mixer.name, DEFAULT_PRECISION)}
     if isinstance(have, dict) and "model" not in have:
         have = {**have, "model": want["model"]} if record.get("params") == want["model"]["params"] else None
     return record if have == want else None
@@ -141,7 +163,8 @@ def _train_group(jobs: list[Job], device: str, out: str, threads: int, commit: s
             identity = job.identity()  # builds the model on the meta device: once per job
             runs.append((job, identity, JobRun(job.mixer, job.width, job.lr, job.seed, job.budget,
                                                list(job.settings), torch.device(device), progress(job), graphs,
-                                               partial_path(out, job), identity, curve)))
+                                               partial_path(out, job), identity, curve, job.init,
+                                               job.precision)))
         except Exception as err:  # noqa: BLE001 - one broken mixer must not take the other jobs down with it
             failed.append({"job": job.name, "error": f"{type(err).__name__}: {err}"})
     results = []

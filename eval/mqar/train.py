@@ -37,6 +37,25 @@ CHECK_EVERY = 50
 """Steps between checks that the loss is finite (a divergence stops the job within this many steps)."""
 CURVES = ("train", "all")
 """What an epoch before the last is scored on: the training mixture's settings, or every scored one."""
+PRECISIONS = ("bf16", "fp32")
+"""The KDN mixers' memory precision on CUDA (their ``precision`` mixer option); ``bf16`` is the default path."""
+PRECISION_MIXERS = ("kdn_diag", "kdn_iso")
+"""The mixers that take ``precision``; for the others it does not apply (recorded as ``None``)."""
+DEFAULT_INIT, DEFAULT_PRECISION = "fla", "bf16"
+
+
+def arm_suffix(init: str, precision: str | None) -> str:
+    """What a job's or a results file's name adds for a non-default ``init`` or ``precision``: ``""`` at the
+    defaults (the names every earlier grid has), e.g. ``"_init-authors_fp32"``."""
+    return (("" if init == DEFAULT_INIT else f"_init-{init}")
+            + ("" if precision in (None, DEFAULT_PRECISION) else f"_{precision}"))
+
+
+def job_precision(mixer: str, precision: str) -> str | None:
+    """``precision`` for a mixer that takes it (:data:`PRECISION_MIXERS`), ``None`` (not applicable) otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
+    return precision if mixer in PRECISION_MIXERS else None
 
 
 def check_curve(curve: str) -> None:
@@ -75,9 +94,13 @@ class MixerChoice:
         return "/".join([self.name, *(f"{k}={'None' if v is None else v}" for k, v in self.kwargs)])
 
 
-def model_config(choice: MixerChoice, width: int, head_dim: int, vocab_size: int) -> models.KDNConfig:
+def model_config(choice: MixerChoice, width: int, head_dim: int, vocab_size: int, init: str = "fla",
+                 precision: str | None = None) -> models.KDNConfig:
     """The two-layer backbone of ``choice`` at hidden size ``width``: ``width / head_dim`` heads of ``head_dim``
-    (attention: full, no window), SwiGLU width solved to KDA's parameter count as in every comparison here.
+    (attention: full, no window), SwiGLU width solved to KDA's parameter count as in every comparison here;
+    ``init``: the weight initialisation rule (``KDNConfig.init``); ``precision``: the KDN mixers' memory precision,
+    their ``precision`` mixer option unless ``choice`` sets it (``None`` for a mixer that does not take it,
+    :func:`job_precision`); at the default, ``bf16``, the option is left out, so the model's identity is unchanged.
 
     The recurrent state per layer is then ``heads x head_dim^2`` for the matrix-state mixers (plus ``heads x
     head_dim`` or ``heads`` precisions for Diagonal/Isotropic KDN), and Mamba-3's ``d_state`` is solved by the
@@ -91,8 +114,10 @@ def model_config(choice: MixerChoice, width: int, head_dim: int, vocab_size: int
         kwargs.setdefault("window", None)
     if choice.name.startswith("mamba3"):
         kwargs.setdefault("head_dim", head_dim)
+    if precision not in (None, DEFAULT_PRECISION):
+        kwargs.setdefault("precision", precision)
     return models.model_config("toy", choice.name, vocab_size=vocab_size, hidden_size=width, num_layers=2,
-                               num_heads=width // head_dim, head_dim=head_dim, mixer_kwargs=kwargs)
+                               num_heads=width // head_dim, head_dim=head_dim, mixer_kwargs=kwargs, init=init)
 
 
 def architecture(choice: MixerChoice, width: int, head_dim: int, vocab_size: int) -> dict[str, Any]:
@@ -188,14 +213,16 @@ class JobRun:
 
     Args: as :func:`train_job`, and ``checkpoint`` (a file path, or ``None``: no checkpoints), ``identity`` (a
     JSON-able description of the job; a checkpoint of another identity is ignored and overwritten), ``curve``
-    (:data:`CURVES`).
+    (:data:`CURVES`), ``init`` and ``precision`` (:func:`model_config`).
     """
 
     def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
                  settings: list[MQARSetting], device: torch.device,
                  progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
-                 checkpoint: Path | None = None, identity: dict[str, Any] | None = None, curve: str = "all") -> None:
+                 checkpoint: Path | None = None, identity: dict[str, Any] | None = None, curve: str = "all",
+                 init: str = "fla", precision: str | None = None) -> None:
         check_curve(curve)
+        self.init, self.precision = init, precision
         self.t0 = time.perf_counter()
         self.choice, self.width, self.lr, self.seed, self.budget = choice, width, lr, seed, budget
         self.device, self.progress = device, progress
@@ -204,7 +231,7 @@ class JobRun:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with self.on_stream():
             torch.manual_seed(seed)
-            self.cfg = model_config(choice, width, budget.head_dim, budget.vocab_size)
+            self.cfg = model_config(choice, width, budget.head_dim, budget.vocab_size, init, precision)
             self.model = models.build_model(self.cfg).to(device)
             if saved is not None:
                 self.model.load_state_dict(saved["model"])
@@ -310,6 +337,7 @@ class JobRun:
         """The JSON-able record of a finished job (see :func:`train_job`)."""
         return {
             "mixer": self.choice.label, "width": self.width, "lr": self.lr, "seed": self.seed,
+            "init": self.init, "precision": self.precision,
             "records": self.records, "curve": self.curve, "final_loss": self.final_loss, "diverged": self.diverged,
             "steps": self.steps_done, "total_steps": self.total,
             "tokens": self.budget.tokens() * self.steps_done // max(1, self.total), "num_heads": self.cfg.num_heads,
@@ -345,17 +373,18 @@ def train_together(runs: list[JobRun]) -> list[dict[str, Any] | BaseException]:
 def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
               settings: list[MQARSetting], device: torch.device,
               progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
-              curve: str = "all") -> dict[str, Any]:
+              curve: str = "all", init: str = "fla", precision: str | None = None) -> dict[str, Any]:
     """Train one model on ``budget``'s mixture and score it on each of ``settings``; ``progress`` is called with
     each point of the curve as it is measured; ``graphs``: replay the steps from CUDA graphs on CUDA; ``curve``:
-    ``"train"`` scores the epochs before the last on the training mixture's settings only (:data:`CURVES`).
+    ``"train"`` scores the epochs before the last on the training mixture's settings only (:data:`CURVES`);
+    ``init`` and ``precision``: :func:`model_config`'s.
 
     Returns a JSON-able record: ``records`` (one per setting: validation and test accuracy, state size), ``curve``
     (validation accuracy per setting after every epoch), the mean loss of the last steps, steps, parameters,
     whether CUDA graphs ran the steps (``cuda_graphs``; ``graph_fallback``: why not, when a capture failed), wall
     time, and ``diverged`` (a non-finite loss or gradient stops training; the model is scored as it stands)."""
     result = train_together([JobRun(choice, width, lr, seed, budget, settings, device, progress, graphs,
-                                    curve=curve)])[0]
+                                    curve=curve, init=init, precision=precision)])[0]
     if isinstance(result, BaseException):
         raise result
     return result

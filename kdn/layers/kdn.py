@@ -3,8 +3,8 @@
 Both share KDA's front end (:class:`kdn.modules.DeltaFrontEnd`) and differ only in the shape of the
 process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``. The kernels'
 settings are constructor arguments: ``fused`` (the fused CUDA front end), ``recompute_states`` (the memory's backward
-recomputes its states) and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route,
-:func:`kdn.ops.diagonal_kdn`).
+recomputes its states), ``precision`` (the CUDA memory's, ``"bf16"`` or ``"fp32"``: docs/kernels.md, "Precision")
+and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route, :func:`kdn.ops.diagonal_kdn`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import Tensor
 from kdn.layers.cache import RecurrentCache
 from kdn.modules import DeltaFrontEnd, Linear, current_mask, finish, inv_softplus, low_rank, upcast
 from kdn.ops import api
-from kdn.ops.validate import check_memory
+from kdn.ops.validate import check_memory, check_precision
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
@@ -34,10 +34,11 @@ class _KalmanDelta(nn.Module):
         mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
         conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
         backend: str | None = None, fused: bool = True, recompute_states: bool = False, memory: str = "asym",
-        chunk_size: int | None = None,
+        chunk_size: int | None = None, precision: str = "bf16",
     ) -> None:
         super().__init__()
         check_memory(memory, chunk_size)
+        self.precision = check_precision(precision, memory)
         if self.isotropic and (memory, chunk_size) not in (("asym", None), ("asym", 64)):
             raise ValueError(f"IsotropicKDN runs the asymmetric memory only; drop memory={memory!r} / "
                              f"chunk_size={chunk_size!r}")
@@ -152,10 +153,10 @@ class _KalmanDelta(nn.Module):
             o = o[:, None]
         else:
             if self.isotropic:
-                fn = partial(api.isotropic_kdn, recompute_states=self.recompute_states)
+                fn = partial(api.isotropic_kdn, recompute_states=self.recompute_states, precision=self.precision)
             else:
                 fn = partial(api.diagonal_kdn, memory=self.memory, chunk_size=self.chunk_size,
-                             recompute_states=self.recompute_states)
+                             recompute_states=self.recompute_states, precision=self.precision)
             o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
                           validate=False, omega_softplus=logits,  # valid by construction: g <= 0, r >= 0.01

@@ -27,7 +27,7 @@ from kdn.ops import gain as _gain
 from kdn.ops import naive as _naive
 from kdn.ops.gate import kda_gate
 from kdn.ops.packing import repack, unpack
-from kdn.ops.validate import check_cu_seqlens, check_memory, check_shape, check_values
+from kdn.ops.validate import check_cu_seqlens, check_memory, check_precision, check_shape, check_values
 
 State = tuple[Tensor, Tensor]
 BACKENDS = ("torch", "triton")
@@ -119,10 +119,11 @@ def _run(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor,
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
     cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float, omega_softplus: bool,
-    gate: tuple[Tensor, Tensor] | None, memory: str, chunk_size: int | None, recompute_states: bool,
+    gate: tuple[Tensor, Tensor] | None, memory: str, chunk_size: int | None, recompute_states: bool, precision: str,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
     check_memory(memory, chunk_size)
+    check_precision(precision, memory)
     if not isinstance(recompute_states, bool):
         raise ValueError(f"recompute_states must be True or False, got {recompute_states!r}")
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
@@ -172,11 +173,11 @@ def _run(
         from kdn.ops.triton import kdn as _triton
 
         if isotropic:
-            run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states)
+            run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states, precision=precision)
         else:
             run = partial(_triton.chunk_diagonal_kdn, memory=memory, chunk_size=chunk_size,
                           recompute_states=recompute_states, omega_softplus=fused_softplus,
-                          gate=gate if fused_gate else None)
+                          gate=gate if fused_gate else None, precision=precision)
         # a zero initial memory travels as None: the memory kernels then skip reading it
         args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
@@ -226,6 +227,7 @@ def diagonal_kdn(
     memory: str = "asym",
     chunk_size: int | None = None,
     recompute_states: bool = False,
+    precision: str = "bf16",
 ) -> tuple[Tensor, State | None]:
     """Diagonal KDN (docs/math.md §3): per-channel uncertainty ``p [K]`` per head, gain ``kappa`` on the write side.
 
@@ -252,6 +254,9 @@ def diagonal_kdn(
         chunk_size: the memory's chunk: ``None`` or 64 for ``"asym"``, 16 (default) or 32 for ``"dplr"``.
         recompute_states: the ``"asym"`` memory's backward recomputes its WY terms and chunk states instead of
             keeping them from the forward (less memory, slower; ``"triton"`` only).
+        precision: the CUDA memory's, ``"bf16"`` (operands and gain in the inputs' dtype, bf16 from the layers; the
+            faster) or ``"fp32"`` (FP32 operands and gain, TF32x3 dots; ``memory="asym"`` only): docs/kernels.md,
+            "Precision". Checked on every backend, used by ``"triton"`` (the PyTorch path computes in FP32).
 
     Returns:
         ``o [B,T,H,V]`` in ``v``'s dtype and, if ``output_final_state``, the final ``(S, p)`` (else ``None``).
@@ -266,7 +271,7 @@ def diagonal_kdn(
                                      output_final_state=True)
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus, gate, memory, chunk_size, recompute_states)
+                validate, scale, omega_softplus, gate, memory, chunk_size, recompute_states, precision)
 
 
 def isotropic_kdn(
@@ -281,6 +286,7 @@ def isotropic_kdn(
     omega_softplus: bool = False,
     gate: tuple[Tensor, Tensor] | None = None,
     recompute_states: bool = False,
+    precision: str = "bf16",
 ) -> tuple[Tensor, State | None]:
     """Isotropic KDN (docs/math.md §4): one uncertainty scalar ``b`` per head, gain ``kappa = beta k``.
 
@@ -297,7 +303,7 @@ def isotropic_kdn(
         o, _ = kdn.isotropic_kdn(q, k, v, g, torch.rand(B, T, H), torch.ones(B, T, H))
     """
     return _run("isotropic", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus, gate, "asym", None, recompute_states)
+                validate, scale, omega_softplus, gate, "asym", None, recompute_states, precision)
 
 
 def _gain_common(

@@ -1,4 +1,5 @@
-"""Input validation shared by every KDN entry point, and the memory route's settings (:func:`check_memory`).
+"""Input validation shared by every KDN entry point, and the memory's settings (:func:`check_memory`,
+:func:`check_precision`).
 
 Every check raises a ``ValueError`` that names the argument and the expected shape or range.
 Range and finiteness checks are fused into one reduction so that a CUDA call syncs once.
@@ -103,3 +104,19 @@ def check_memory(memory: str, chunk_size: int | None) -> int:
         raise ValueError(f"memory='dplr' takes chunk_size 16 or 32, got {chunk_size!r}: fla's DPLR kernels at chunk "
                          "64 assume a gate lower bound and lose gradient accuracy under strong forgetting")
     return chunk_size
+
+
+PRECISIONS = ("bf16", "fp32")
+
+
+def check_precision(precision: str, memory: str = "asym") -> str:
+    """The CUDA memory's precision (docs/kernels.md, "Precision"); returns it.
+
+    ``"bf16"``: the memory's operands (``q, k, v`` and the gain) in the inputs' dtype, bf16 from the layers, with the
+    tensor cores' default precision (TF32 for FP32 operands). ``"fp32"``: FP32 operands and gain, TF32x3 dots (the
+    asymmetric memory only). The PyTorch backend computes in FP32 (float64) either way."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32" and memory != "asym":
+        raise ValueError(f"precision='fp32' runs the asymmetric memory; pass memory='asym', got memory={memory!r}")
+    return precision

@@ -12,6 +12,9 @@
 - :func:`chunk_kda`: KDA's rule through the same memory, as the KDA baseline runs it.
 
 One calling convention (as :func:`kdn.ops.api.diagonal_kdn`): tensors ``q, k, v, g, ...`` first, settings as keywords.
+``precision`` (:func:`kdn.ops.validate.check_precision`): ``"bf16"`` runs the memory in the inputs' dtype (bf16 from
+the layers, the gain rounded to it); ``"fp32"`` in FP32 (``q, k, v`` and the gain) through the TF32x3 copies of its
+kernels (:mod:`kdn.ops.triton.precision`). The gains and gates are FP32 on both.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from kdn.ops.triton.gate import kda_gate_fwd
 from kdn.ops.triton.memory import _asym_memory_bwd, _asym_memory_fwd, _AsymmetricMemory
 from kdn.ops.triton.safe_gate import SafeGate, safe_gate, safe_steepest
 from kdn.ops.triton.utils import _check_gain_shapes, _mem_dtype
-from kdn.ops.validate import check_memory
+from kdn.ops.validate import check_memory, check_precision
 
 
 class _DiagonalKDN(torch.autograd.Function):
@@ -47,6 +50,7 @@ class _DiagonalKDN(torch.autograd.Function):
         r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
         cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate | None,
         recompute_states: bool, segment_size: int | None, A_log: Tensor | None, dt_bias: Tensor | None,
+        precise: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         gc = None
         ctx.f_dtype = g.dtype
@@ -56,8 +60,9 @@ class _DiagonalKDN(torch.autograd.Function):
         (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus,
                                            A_log, segment_size)
         o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
-                                               cu_seqlens, check, gc, recompute_states)
+                                               cu_seqlens, check, gc, recompute_states, precise)
         ctx.save_for_backward(*gain, *mem)
+        ctx.precise = precise
         ctx.n_gain, ctx.seqs, ctx.omega_softplus, ctx.scale = len(gain), (N, L), omega_softplus, scale
         ctx.segment_size = segment_size
         return o, S, pT
@@ -67,12 +72,13 @@ class _DiagonalKDN(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None, dpT: Tensor
     ) -> tuple[Tensor | None, ...]:
         saved, n = ctx.saved_tensors, ctx.n_gain
-        dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS)
+        dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS,
+                                                                      ctx.precise)
         dk, dg, dw, dr, dmu, dp0, dgate = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs,
                                                          ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
                                                          ctx.f_dtype, ctx.segment_size)
         dA, dbias = dgate if dgate is not None else (None, None)
-        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 9, dA, dbias
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 9, dA, dbias, None
 
 
 
@@ -81,7 +87,7 @@ def chunk_diagonal_kdn(
     initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None, omega_softplus: bool = False, gate: tuple[Tensor, Tensor] | None = None,
     memory: str = "asym", chunk_size: int | None = None, recompute_states: bool = False,
-    segment_size: int | None = None,
+    segment_size: int | None = None, precision: str = "bf16",
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Diagonal KDN on CUDA (docs/math.md §3, §6): the fused Triton gain + fla's asymmetric chunk-64 kernels
     (``memory="asym"``) or fla's DPLR chunk kernel (``memory="dplr"``, ``chunk_size`` 16 or 32).
@@ -97,6 +103,7 @@ def chunk_diagonal_kdn(
         memory, chunk_size: the memory route (:func:`kdn.ops.validate.check_memory`).
         recompute_states: the ``"asym"`` backward recomputes the WY terms and chunk states instead of keeping them.
         segment_size: tokens per segment of the gain's sequence-parallel scan (default: the rule).
+        precision: ``"bf16"`` or ``"fp32"`` (the module docstring; ``"fp32"`` with ``memory="asym"``).
 
     Returns:
         ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None`` unless ``output_final_state``).
@@ -108,15 +115,16 @@ def chunk_diagonal_kdn(
     from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
     chunk = check_memory(memory, chunk_size)
+    precise = check_precision(precision, memory) == "fp32"
     S0, p0 = initial_state
-    dt = _mem_dtype(v)
+    dt = torch.float32 if precise else _mem_dtype(v)
     if memory == "asym":
         check = None if gate is not None else safe_gate(g)  # read after the gain's kernels are queued
         N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
         o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
                                       float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check,
                                       bool(recompute_states), segment_size,
-                                      *(gate if gate is not None else (None, None)))
+                                      *(gate if gate is not None else (None, None)), precise)
         return o, (S, pT)
     if gate is not None:
         g = kda_gate(g, *gate)
@@ -136,6 +144,7 @@ def chunk_isotropic_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None, recompute_states: bool = False, segment_size: int | None = None,
+    precision: str = "bf16",
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Isotropic KDN on CUDA (docs/math.md §4, §6): the fused Triton gain + KDA's rule with ``beta`` = the KDN gain
     (:func:`chunk_kda`: the asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``;
@@ -143,25 +152,27 @@ def chunk_isotropic_kdn(
 
     Args:
         q, k, g: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]``; ``omega, r``: ``[B,T,H]``; ``mu``: ``[H]``.
-        initial_state: ``(S0 [N,H,K,V] or None, b0 [N,H])``. Settings as in :func:`chunk_diagonal_kdn`.
+        initial_state: ``(S0 [N,H,K,V] or None, b0 [N,H])``. Settings as in :func:`chunk_diagonal_kdn`
+            (``precision`` too).
 
     Returns:
         ``o [B,T,H,V]`` and ``(S_T, b_T)``.
     """
     S0, b0 = initial_state
-    dt = _mem_dtype(v)
+    precise = check_precision(precision) == "fp32"
+    dt = torch.float32 if precise else _mem_dtype(v)
     check = safe_gate(g)  # read after the gain's kernels are queued
     beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens, segment_size=segment_size)
     o, S = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g, beta, scale=scale, initial_state=S0,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
-                     recompute_states=recompute_states)
+                     recompute_states=recompute_states, precise=precise)
     return o, (S, bT)
 
 
 def chunk_kda(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float, initial_state: Tensor | None = None,
     output_final_state: bool = False, cu_seqlens: Tensor | None = None, check: SafeGate | None = None,
-    recompute_states: bool = False,
+    recompute_states: bool = False, precise: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA's rule (fla's ``chunk_kda``: ``S_t = D_t S_{t-1} + beta_t k_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale
     q_t^T S_t``) through the asymmetric memory with ``kappa = k`` (:class:`kdn.ops.triton.memory._AsymmetricMemory`),
@@ -174,6 +185,7 @@ def chunk_kda(
             sequences (``B = 1``), else ``N = B``.
         check: :func:`kdn.ops.triton.safe_gate.safe_gate` of ``g`` (made here when ``None``).
         recompute_states: the backward recomputes the WY terms and chunk states instead of keeping them.
+        precise: the TF32x3 kernels (for FP32 operands: ``precision="fp32"``).
 
     Returns:
         ``o [B,T,H,V]`` and ``S_T`` (``None`` unless ``output_final_state``).
@@ -181,4 +193,4 @@ def chunk_kda(
     check = safe_gate(g) if check is None else check
     S0 = None if initial_state is None else initial_state.float()
     return _AsymmetricMemory.apply(q, k, k, v, g, beta, S0, float(scale), output_final_state, cu_seqlens, check,
-                                   bool(recompute_states))
+                                   bool(recompute_states), bool(precise))

@@ -10,20 +10,34 @@ so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
 (``h``, ``v_new``). ``False`` (the default): the forward keeps them, five more ``[B,T,H,K]``-sized bf16 tensors per
 layer (about 0.8 GiB per layer for 32K tokens of 16 heads of 128); ``True``: the backward recomputes them, as fla's
 ``chunk_kda`` does (docs/performance.md).
+
+``precise``: every launch goes through the TF32x3 copies of its kernels (:mod:`kdn.ops.triton.precision`), for FP32
+operands (``precision="fp32"``, docs/kernels.md).
 """
 from __future__ import annotations
+
+import types
+from collections.abc import Callable
 
 import torch
 import triton
 from torch import Tensor
 
+from kdn.ops.triton.precision import precise_kernel, precise_launcher
 from kdn.ops.triton.safe_gate import SafeGate
 from kdn.ops.validate import ASYM_CHUNK
 
 
+def _precise(fn: Callable, precise: bool) -> Callable:
+    """``fn`` (a kernel or a launcher), or its TF32x3 copy when ``precise``."""
+    if not precise:
+        return fn
+    return precise_launcher(fn) if isinstance(fn, types.FunctionType) else precise_kernel(fn)
+
+
 def _asym_intra_fwd(
     q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
-    seqs: dict[str, Tensor | None], output_qg: bool,
+    seqs: dict[str, Tensor | None], output_qg: bool, precise: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
     the WY representation), whose last launch also writes ``qg = q exp2(gc)`` when ``output_qg`` (the backward's
@@ -46,25 +60,25 @@ def _asym_intra_fwd(
     Akk = torch.zeros(B, T, H, C, device=k.device, dtype=k.dtype)  # the kernels write its lower triangle only
     Akk_diag = torch.empty(B, T, H, BC, device=k.device, dtype=torch.float32)
     if safe:
-        chunk_precond_kda_fwd_kernel_intra_sub_chunk[(NT, C // BC, B * H)](
+        _precise(chunk_precond_kda_fwd_kernel_intra_sub_chunk, precise)[(NT, C // BC, B * H)](
             q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale, **seqs, T=T, H=H, K=K,
             BT=C, BC=BC, BK=triton.next_power_of_2(K), GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
     else:
-        chunk_precond_kda_fwd_intra_token_parallel(
+        _precise(chunk_precond_kda_fwd_intra_token_parallel, precise)(
             q=q, k=k, k_precond=kappa, gk=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale,
             cu_seqlens=seqs["cu_seqlens"], chunk_size=C, sub_chunk_size=BC)
-    chunk_precond_kda_fwd_kernel_inter_solve_fused[(NT, B * H)](
+    _precise(chunk_precond_kda_fwd_kernel_inter_solve_fused, precise)[(NT, B * H)](
         q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
         H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=DEFAULT_SOLVE_TRIL_PRECISION, USE_SAFE_GATE=safe)
-    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=output_qg,
-                                     output_kg=True, **seqs)
+    w, u, qg, kg = _precise(recompute_w_u_fwd, precise)(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                                        output_qg=output_qg, output_kg=True, **seqs)
     return w, u, qg, kg, Aqk, Akk
 
 
 def _asym_memory_fwd(
     q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
     output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate, gc: Tensor | None = None,
-    recompute_states: bool = False,
+    recompute_states: bool = False, precise: bool = False,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
     """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
     ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check``
@@ -86,21 +100,21 @@ def _asym_memory_fwd(
     beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
     safe = bool(check)
     keep = not recompute_states
-    w, u, qg, kg, Aqk, Akk = _asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep)
-    h, v_new, S = chunk_gated_delta_rule_fwd_h(
+    w, u, qg, kg, Aqk, Akk = _asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
+    h, v_new, S = _precise(chunk_gated_delta_rule_fwd_h, precise)(
         k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
-    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
+    o = _precise(chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
     states = (w, qg, kg, h, v_new) if keep else (None,) * 5
     saved = (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"], *states)
     return o.to(q.dtype), S, saved, safe
 
 
 def _asym_memory_bwd(
-    saved: tuple[Tensor | None, ...], scale: float, safe: bool, do: Tensor, dS: Tensor | None
+    saved: tuple[Tensor | None, ...], scale: float, safe: bool, do: Tensor, dS: Tensor | None, precise: bool = False,
 ) -> tuple[Tensor | None, ...]:
-    """The asymmetric memory's backward launches from ``saved`` (:func:`_asym_memory_fwd`) and the gradients of
-    ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs' dtypes, ``dg``
-    (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``)."""
+    """The asymmetric memory's backward launches from ``saved`` (:func:`_asym_memory_fwd`, of the same ``precise``)
+    and the gradients of ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs'
+    dtypes, ``dg`` (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
     from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
@@ -113,17 +127,18 @@ def _asym_memory_bwd(
     seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
     do = do.contiguous()
     if h is None:  # recompute the WY representation and the chunk states (as fla's KDA backward does)
-        w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                         output_qg=True, output_kg=True, **seqs)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=S0,
-                                                   output_final_state=False, chunk_size=C, **seqs)
-    dAqk, dv = chunk_precond_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
-    dh, dS0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv,
-                                                 scale=scale, chunk_size=C, **seqs)
-    dq, dk, dkg, dv, dbeta, dg, dAkk = chunk_asym_bwd_wy_dqkg(
+        w, u, qg, kg = _precise(recompute_w_u_fwd, precise)(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
+                                                            output_qg=True, output_kg=True, **seqs)
+        h, v_new, _ = _precise(chunk_gated_delta_rule_fwd_h, precise)(
+            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=False, chunk_size=C, **seqs)
+    dAqk, dv = _precise(chunk_precond_kda_bwd_dAv, precise)(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale,
+                                                            chunk_size=C, **seqs)
+    dh, dS0, dv = _precise(chunk_gated_delta_rule_bwd_dhu, precise)(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do,
+                                                                    dv=dv, scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkg, dv, dbeta, dg, dAkk = _precise(chunk_asym_bwd_wy_dqkg, precise)(
         q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
         scale=scale, chunk_size=C, **seqs)
-    dq, dk, dkappa, dbeta, dg = chunk_precond_kda_bwd_intra(
+    dq, dk, dkappa, dbeta, dg = _precise(chunk_precond_kda_bwd_intra, precise)(
         q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
         db=dbeta, dg=dg, chunk_size=C, safe_gate=safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
     return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dbeta, dS0
@@ -140,18 +155,20 @@ class _AsymmetricMemory(torch.autograd.Function):
     ``beta [B,T,H]`` (``kappa``'s dtype; ``None``: ones, the write key is ``kappa`` alone), ``S0 [N,H,K,V]`` FP32 or
     ``None``; ``N = B``, or with ``cu_seqlens [N+1]`` (packed sequences, ``B = 1``)
     the number of sequences; ``check``: :func:`kdn.ops.triton.safe_gate.safe_gate` of ``g``; ``recompute_states`` as
-    in the module docstring. Returns ``o [B,T,H,V]`` and ``S_T [N,H,K,V]`` (``None`` unless asked).
+    in the module docstring; ``precise``: the TF32x3 kernels. Returns ``o [B,T,H,V]`` and ``S_T [N,H,K,V]``
+    (``None`` unless asked).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor,
         beta: Tensor | None, S0: Tensor | None, scale: float, output_final_state: bool, cu_seqlens: Tensor | None,
-        check: SafeGate, recompute_states: bool,
+        check: SafeGate, recompute_states: bool, precise: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         ctx.same_key = kappa is k  # one key on both sides (Isotropic): its two gradients are summed in FP32
         o, S, saved, ctx.safe = _asym_memory_fwd(q, k, kappa, v, g, beta, S0, scale, output_final_state, cu_seqlens,
-                                                 check, recompute_states=recompute_states)
+                                                 check, recompute_states=recompute_states, precise=precise)
+        ctx.precise = precise
         ctx.save_for_backward(*saved)
         ctx.scale = scale
         return o, S
@@ -161,8 +178,8 @@ class _AsymmetricMemory(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors
-        dq, dk, dkappa, dv, dg, dbeta, dS0 = _asym_memory_bwd(saved, ctx.scale, ctx.safe, do, dS)
+        dq, dk, dkappa, dv, dg, dbeta, dS0 = _asym_memory_bwd(saved, ctx.scale, ctx.safe, do, dS, ctx.precise)
         dbeta = dbeta.to(saved[5]) if ctx.needs_input_grad[5] else None  # saved[5]: beta
         if ctx.same_key:
             dk, dkappa = dk + dkappa, None
-        return dq, dk, dkappa, dv, dg, dbeta, dS0, None, None, None, None, None
+        return dq, dk, dkappa, dv, dg, dbeta, dS0, None, None, None, None, None, None

@@ -1,0 +1,89 @@
+"""CUDA-only (``pytest -m gpu``): the memory's precision option against float64, forward and every gradient.
+
+FP32 inputs through ``kdn.diagonal_kdn`` / ``kdn.isotropic_kdn`` on the CUDA kernels, ``precision="fp32"`` (FP32
+operands and gain, TF32x3 dots) and ``"bf16"`` (today's route: FP32 operands here, TF32 dots), against the PyTorch
+path in float64, by ``||x - ref|| / ||ref||``, at several lengths up to 8K and on packed sequences. Run on a GPU:
+``python -m pytest -q -s -m gpu tests/test_kdn_precision_gpu.py`` (``-s`` prints the table), or
+``python tests/test_kdn_precision_gpu.py`` for the table alone.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kdn_inputs import make_inputs, rel_err  # noqa: E402
+
+import kdn  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+FP32_TOL = 1e-5
+CASES = {  # name: (B, T, H, K, packed lengths or None); one K: each K autotunes every kernel anew
+    "T=1000": (2, 1000, 2, 128, None),
+    "T=8192": (1, 8192, 2, 128, None),
+    "packed": (1, 6445, 2, 128, (1, 300, 2048, 4096)),
+}
+ROUTES = ("fp32", "bf16", "torch")
+NAMES = ("q", "k", "v", "g", "omega", "r")
+
+
+def errors(iso: bool, case: str, route: str) -> dict[str, float]:
+    """Relative errors of ``o``, the final state and every input's gradient (``mu``, ``S0`` and the initial
+    uncertainty too) against float64 for FP32 inputs: ``route`` ``"fp32"`` or ``"bf16"``, the CUDA kernels at that
+    precision; ``"torch"``, the PyTorch path in FP32 (what FP32 arithmetic allows this algorithm)."""
+    B, T, H, K, lens = CASES[case]
+    x = make_inputs(B, T, H, K, K, isotropic=iso, dtype=torch.float64, g_min=-1.0, seed=T)
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device="cuda")
+    N = B if lens is None else len(lens)
+    gen = torch.Generator().manual_seed(1)
+    S0 = torch.randn(N, H, K, K, generator=gen, dtype=torch.float64)
+    u0 = torch.rand(*((N, H) if iso else (N, H, K)), generator=gen, dtype=torch.float64) + 0.5
+    mu = torch.full((H,), float(K), dtype=torch.float64)
+    fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
+    out = {}
+    for dtype, backend in ((torch.float64, "reference"), (torch.float32, route)):
+        leaves = [t.to("cuda", dtype).requires_grad_() for t in (*(x[n] for n in NAMES), mu, S0, u0)]
+        *inputs, mu_, S0_, u0_ = leaves
+        kw = {} if backend in ("reference", "torch") else {"precision": route, "backend": "triton"}
+        o, (S, u) = fn(*inputs, mu=mu_, initial_state=(S0_, u0_), output_final_state=True, cu_seqlens=cu,
+                       scale=K ** -0.5, **({"backend": "torch"} | kw))
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        ws = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in (o, S, u)]
+        loss = sum((w * t.double()).sum() for w, t in zip(ws, (o, S, u)))
+        grads = torch.autograd.grad(loss, leaves)
+        out[backend] = {"o": o, "S_T": S, "u_T": u, **{f"d{n}": gr for n, gr in
+                                                         zip((*NAMES, "mu", "S0", "u0"), grads)}}
+    return {n: rel_err(out[route][n], ref) for n, ref in out["reference"].items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("iso", [False, True], ids=["diagonal", "isotropic"])
+def test_fp32_precision_matches_float64(iso: bool, case: str) -> None:
+    """``precision="fp32"``: ``o``, the final state and every gradient within :data:`FP32_TOL` of float64, or
+    within twice the FP32 PyTorch path's error where FP32 arithmetic allows no better; and at least 10x closer than
+    the default route on its largest error."""
+    err = {r: errors(iso, case, r) for r in ROUTES}
+    print(row("isotropic" if iso else "diagonal", case, err))
+    fp32, torch32 = err["fp32"], err["torch"]
+    bad = {n: e for n, e in fp32.items() if e > max(FP32_TOL, 2 * torch32[n])}
+    assert not bad, f"over max({FP32_TOL:.0e}, 2x the FP32 PyTorch path's): {bad} (PyTorch FP32: {torch32})"
+    assert max(fp32.values()) * 10 <= max(err["bf16"].values()), err
+
+
+def row(kind: str, case: str, err: dict[str, dict[str, float]]) -> str:
+    """One line of the table: per route, the error of ``o`` and the worst error with its name."""
+    cells = []
+    for r in ROUTES:
+        worst = max(err[r], key=err[r].get)
+        cells.append(f"{err[r]['o']:.1e} | {err[r][worst]:.1e} ({worst})")
+    return f"| {kind} | {case} | " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    print("| mixer | case | " + " | ".join(f"{r} o | {r} worst" for r in ROUTES) + " |\n|" + "---|" * 8)
+    for iso, case in itertools.product((False, True), CASES):
+        print(row("isotropic" if iso else "diagonal", case, {r: errors(iso, case, r) for r in ROUTES}), flush=True)
