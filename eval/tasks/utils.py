@@ -24,7 +24,7 @@ Decoding is greedy, at most 48 tokens, up to a newline; the score is case-insens
 (``contains``, in [0, 1] per document).
 
 This module imports only the standard library, ``datasets`` and ``transformers``, so that
-``lm_eval --include_path eval/tasks`` runs it from any checkout.
+``lm_eval run ... --include_path eval/tasks --tasks kdn_retrieval`` runs it from any checkout.
 """
 from __future__ import annotations
 
