@@ -228,3 +228,14 @@ def test_cli_writes_the_mqar_table_beside_tables_1_to_5(tmp_path: Path, two_file
     assert (out / "table1.md").is_file()  # the other tables are written before the refusal
     with pytest.raises(SystemExit):
         main(["--mqar", str(two_files[0]), "--tables", "table1", "--out", str(out)])
+
+
+def test_the_arms_of_the_init_and_precision_experiment_are_rows_of_their_own(tmp_path: Path) -> None:
+    argv = ["mixers=kda,kdn_diag", "widths=64", "settings=64x4", "seeds=0,1"]
+    default = write_results(tmp_path / "arms" / "mqar.json", argv)
+    arm = write_results(tmp_path / "arms" / "mqar_init-authors_fp32.json", [*argv, "init=authors", "precision=fp32"])
+    table = build_mqar_table(read_mqar([default, arm]))
+    labels = {label for _, label in rows_of(table)}
+    assert {"kda", "kdn_diag", "kda_init-authors", "kdn_diag_init-authors_fp32"} <= labels
+    cell = next(r for (_, label), r in rows_of(table).items() if label == "kdn_diag_init-authors_fp32").cells
+    assert cell["64x4/d64"].n == 2  # its own two seeds, not merged with the default arm's

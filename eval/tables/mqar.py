@@ -39,7 +39,15 @@ class MQARFile:
 
     @property
     def jobs(self) -> list[dict[str, Any]]:
-        return self.data["jobs"]
+        """The file's per-setting records; where the file's arm (its ``init`` and ``precision``) is not the
+        default, each ``mixer`` carries it (``kdn_diag_init-authors_fp32``), so that the arms of one experiment are
+        rows of their own and never merge into one cell."""
+        from eval.mqar.train import DEFAULT_INIT, DEFAULT_PRECISION, arm_suffix, job_precision
+
+        cfg = self.data["config"]
+        init, precision = cfg.get("init", DEFAULT_INIT), cfg.get("precision", DEFAULT_PRECISION)
+        return [{**j, "mixer": j["mixer"] + arm_suffix(init, job_precision(j["mixer"].split("/")[0], precision))}
+                for j in self.data["jobs"]]
 
     @property
     def config(self) -> Any:
