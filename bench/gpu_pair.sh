@@ -11,6 +11,36 @@
 set -uo pipefail
 START=$SECONDS
 cd "$(dirname "$0")/.."
+
+split_stages() {  # stages separated by ';' -> the array STAGES, each trimmed, empty ones dropped
+  local parts=() s
+  IFS=';' read -ra parts <<< "$1"
+  STAGES=()
+  for s in "${parts[@]}"; do
+    s="${s#"${s%%[![:space:]]*}"}"
+    s="${s%"${s##*[![:space:]]}"}"
+    [ -n "$s" ] && STAGES+=("$s")
+  done
+}
+
+# Every stage of every group is checked before any set-up, against the labels of bench/gpu.sh's stage case (one
+# list of names), so that a misspelt stage costs no time: exit 2, as bench/gpu.sh would.
+mapfile -t KNOWN < <(sed -n 's/^    \([a-z][a-z0-9_|=*]*\))$/\1/p' bench/gpu.sh | tr '|' '\n')
+for group_stages in "$@"; do
+  split_stages "$group_stages"
+  for s in "${STAGES[@]}"; do
+    ok=0
+    for pattern in "${KNOWN[@]}"; do
+      # shellcheck disable=SC2053
+      [[ "$s" == $pattern ]] && { ok=1; break; }
+    done
+    if [ "$ok" = 0 ]; then
+      echo "unknown stage $s; stages: ${KNOWN[*]} (bench/gpu.sh lists what each does)" >&2
+      exit 2
+    fi
+  done
+done
+
 R=${OUT:-runs/gpu_pair}
 W=$(mktemp -d)
 mkdir -p "$R"
@@ -22,15 +52,8 @@ PAIR_S=${PAIR_S:-560}
 if [ -n "${3:-}" ]; then PAIR1_S=${PAIR1_S:-300}; else PAIR1_S=$PAIR_S; fi
 
 group() {  # name, CUDA_VISIBLE_DEVICES, seconds left, stages separated by ';'
-  local stages=()
-  IFS=';' read -ra stages <<< "$4"
-  local s trimmed=()
-  for s in "${stages[@]}"; do
-    s="${s#"${s%%[![:space:]]*}"}"
-    s="${s%"${s##*[![:space:]]}"}"
-    [ -n "$s" ] && trimmed+=("$s")
-  done
-  CUDA_VISIBLE_DEVICES=$2 OUT=$W/$1 LOG=$R/$1.log GPU_S=$3 bash bench/gpu.sh "${trimmed[@]}"
+  split_stages "$4"
+  CUDA_VISIBLE_DEVICES=$2 OUT=$W/$1 LOG=$R/$1.log GPU_S=$3 bash bench/gpu.sh "${STAGES[@]}"
 }
 rc=0
 group gpu0 0 "$PAIR1_S" "$1" & p0=$!

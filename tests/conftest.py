@@ -3,10 +3,36 @@ import os
 import pytest
 import torch
 
+TIMEOUT_FACTOR_ENV = "KDN_TEST_TIMEOUT_FACTOR"
+TIMEOUT_FACTOR_DEFAULT = 4.0
 _config: list[pytest.Config] = []
 
 
+def timeout_factor() -> float:
+    """The suite's one scale of every subprocess time limit: ``KDN_TEST_TIMEOUT_FACTOR`` (default 4). The limits
+    only guard against a hang, so a loaded machine (raise the factor) gives a slow pass, never a failure."""
+    raw = os.environ.get(TIMEOUT_FACTOR_ENV, "")
+    try:
+        factor = float(raw) if raw else TIMEOUT_FACTOR_DEFAULT
+    except ValueError:
+        factor = float("nan")
+    if not factor > 0 or factor == float("inf"):
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV}={raw!r} is not a positive number; set it to e.g. 4 (the scale of every "
+                         "test's subprocess time limit) or unset it")
+    return factor
+
+
+def timeout_s(seconds: float) -> float:
+    """A subprocess's time limit in seconds: ``seconds`` (what an idle 2-core machine needs, with room) times
+    :func:`timeout_factor`."""
+    return seconds * timeout_factor()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    try:  # a bad factor stops the run at once, not at the first subprocess
+        timeout_factor()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
     if os.environ.get("KDN_INSTAFAIL"):
         _config.append(config)
 

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from conftest import timeout_s
 
 pytest.importorskip("triton")
 pytest.importorskip("fla")
@@ -37,9 +38,11 @@ from kdn.ops.triton.safe_gate import safe_gate
 from kdn_inputs import make_inputs, make_state, rel_err
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
-for iso, T, g_min, with_S0 in ((False, 77, -3.0, True), (False, 65, -12.0, False), (True, 65, -12.0, False),
-                               (True, 77, -3.0, True)):
-    B, H, K = 2, 2, 16
+# a batch of 2 with S0 (tensor-core diagonal blocks, 64 + 13 tokens); one sequence under strong forgetting (fla's
+# token loop, 64 + 1 tokens), which the interpreter runs slowly
+for iso, B, T, g_min, with_S0 in ((False, 2, 77, -3.0, True), (False, 1, 65, -12.0, False),
+                                  (True, 1, 65, -12.0, False), (True, 2, 77, -3.0, True)):
+    H, K = 2, 16
     x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
     S0, u0 = make_state(B, H, K, K, isotropic=iso)
     l64 = {n: x[n].clone().requires_grad_() for n in names} | {"u0": u0.requires_grad_()}
@@ -88,10 +91,10 @@ for cls in (kdn.DiagonalKDN, kdn.IsotropicKDN):
     layer = cls(64, 2, 16, layer_idx=0, backend="torch")
     plain = cls(64, 2, 16, layer_idx=0, backend="torch", fused=False)
     plain.load_state_dict(layer.state_dict())
-    x = torch.randn(2, 50, 64)
-    mask = torch.ones(2, 50, dtype=torch.long)
+    x = torch.randn(2, 40, 64)
+    mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, :7] = 0
-    cases = {"padded": ({"attention_mask": mask}, x), "packed": ({"cu_seqlens": torch.tensor([0, 20, 33, 50])}, x[:1])}
+    cases = {"padded": ({"attention_mask": mask}, x), "packed": ({"cu_seqlens": torch.tensor([0, 20, 33, 40])}, x[:1])}
     for case, (kw, xin) in cases.items():
         res = {}
         for fused, net in ((False, plain), (True, layer)):
@@ -106,19 +109,26 @@ for cls in (kdn.DiagonalKDN, kdn.IsotropicKDN):
         full = layer(x)[0]
         cache = RecurrentCache()
         parts = [layer(x[:, :30], past_key_values=cache, use_cache=True)[0]]
-        parts += [layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0] for t in range(30, 50)]
+        parts += [layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0] for t in range(30, 40)]
     out[f"{cls.__name__}_prefill_decode"] = {"o": rel_err(torch.cat(parts, 1), full)}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("script", [MEMORY, FRONT_END], ids=["memory", "front_end"])
-def test_fla_paths_in_interpreter_match_reference(script: str) -> None:
-    errs = triton_interpret.run_interpreted(script)
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """One interpreted run of this module's scripts (defined below), read by the tests."""
+    scripts = {"memory": (MEMORY,), "front_end": (FRONT_END,), "steepest": (STEEPEST,), "gate_fwd": (GATE_FWD,)}
+    return triton_interpret.run_interpreted_many(scripts, timeout=600)
+
+
+@pytest.mark.parametrize("script", ["memory", "front_end"])
+def test_fla_paths_in_interpreter_match_reference(script: str, interpreted: dict[str, dict]) -> None:
+    errs = triton_interpret.result(interpreted, script)
     paths = {case: e.pop("safe_gate") for case, e in errs.items() if "safe_gate" in e}
     for case, e in errs.items():
         assert max(e.values()) < 5e-5, (case, e)
-    if script is MEMORY:  # both memories through both of fla's diagonal-block paths
+    if script == "memory":  # both memories through both of fla's diagonal-block paths
         assert paths == {"diag_asym_T77_g-3": 1.0, "diag_asym_T65_g-12": 0.0, "iso_T65_g-12": 0.0, "iso_T77_g-3": 1.0,
                          "diag_asym_T77_recompute_gap": -1.0}
         assert errs["diag_asym_T77_recompute_gap"]["gap"] == 0.0
@@ -167,10 +177,10 @@ print(json.dumps(out))
 """
 
 
-def test_steepest_channel_kernel_matches_amin() -> None:
+def test_steepest_channel_kernel_matches_amin(interpreted: dict[str, dict]) -> None:
     """The check's one-pass row minimum (used on CUDA) equals ``-g.amin(-1)`` bitwise, NaN and -inf rows included,
     for widths below, at and off a power of two."""
-    res = triton_interpret.run_interpreted(STEEPEST)
+    res = triton_interpret.result(interpreted, "steepest")
     assert all(res.values()) and len(res) == 6, res
 
 
@@ -209,16 +219,16 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_kda_gate_pass_matches_torch(device: str) -> None:
+def test_kda_gate_pass_matches_torch(device: str, request: pytest.FixtureRequest) -> None:
     """One pass of KDA's gate (``kdn.ops.triton.gate``; on the CPU through the interpreter): the gate's output, its
     chunk-local cumulative sums in log2 units (restarting at each packed sequence, empty and one-token ones included)
     and each token's steepest channel match PyTorch to FP32 rounding; a NaN input reaches exactly its row's check."""
     if device == "cpu":
-        res = triton_interpret.run_interpreted(GATE_FWD)
+        res = triton_interpret.result(request.getfixturevalue("interpreted"), "gate_fwd")
     else:
         path = os.pathsep.join([str(triton_interpret.ROOT), os.environ.get("PYTHONPATH", "")])  # fla may come from it
         proc = subprocess.run([sys.executable, "-c", GATE_FWD, "cuda"], cwd=triton_interpret.ROOT, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+                              text=True, timeout=timeout_s(300), env={**os.environ, "PYTHONPATH": path})
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res.keys() == {"batch", "packed", "short"}

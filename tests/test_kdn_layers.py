@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import timeout_s
 from kdn_inputs import rel_err
 
 import kdn
@@ -207,7 +208,7 @@ def test_every_kdn_module_imports_alone_and_import_kdn_leaves_the_environment() 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
     out = subprocess.run([sys.executable, "-c", IMPORT_ALL], env={**env, "PYTHONPATH": str(root)}, cwd=root,
-                         capture_output=True, text=True, check=True, timeout=600).stdout
+                         capture_output=True, text=True, check=True, timeout=timeout_s(300)).stdout
     res = json.loads(out.strip().splitlines()[-1])
     assert res["env_changed"] == [] and res["failed"] == {}, res
     assert {"kdn.ops.api", "kdn.ops.triton.kdn", "kdn.modules.front_end", "kdn.layers.kdn"} <= set(res["modules"])

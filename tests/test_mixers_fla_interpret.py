@@ -48,8 +48,8 @@ for name, cls in fla_cls.items():
     theirs = cls(**fla_layer_kwargs(name, 64, 2, 16, 1e-5))
     theirs.load_state_dict(fla_state_dict_map(name, layer.state_dict()))
     layer.backend = "torch"
-    with torch.no_grad():
-        errs["vs_fla_layer"] = rel_err(theirs(x)[0], layer(x)[0])
+    with torch.no_grad():  # the weights' mapping: one sequence of two chunks (> 64 tokens: fla's chunk kernels)
+        errs["vs_fla_layer"] = rel_err(theirs(x[:1])[0], layer(x[:1])[0])
     out[name] = errs
 print(json.dumps(out))
 """

@@ -24,25 +24,56 @@ import numpy as np
 import triton.language as tl
 import triton.runtime.autotuner as autotuner
 import triton.runtime.interpreter as interpreter
+from conftest import timeout_s
 
 ROOT = Path(__file__).resolve().parents[1]
 _in_kernel = [0]
 
 
-def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
+def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
     """Run ``script`` (``python -c``, with ``args``) in a fresh interpreter with ``TRITON_INTERPRET=1`` at the
-    repository root; it must print a JSON object as its last line, which is returned."""
+    repository root; it must print a JSON object as its last line, which is returned. ``timeout``: seconds on an idle
+    machine, scaled by the suite's factor (``conftest.timeout_s``)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout_s(timeout))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compile_for_hopper(script: str, cache_dir: Path, timeout: int = 600) -> str:
+_MANY = r"""
+import contextlib, io, json, sys, traceback
+out = {}
+for name, (script, *args) in json.loads(sys.argv[1]).items():
+    sys.argv, buf = ["-c", *args], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(script, f"<{name}>", "exec"), {"__name__": "__main__"})
+        out[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    except Exception:
+        out[name] = {"error": traceback.format_exc()[-3000:]}
+print(json.dumps(out))
+"""
+
+
+def run_interpreted_many(scripts: dict[str, tuple[str, ...]], timeout: float = 600) -> dict[str, dict]:
+    """Run several scripts of :func:`run_interpreted`, each ``(script, *args)`` by name, one after another in one
+    fresh interpreter: torch, Triton and fla start once for a module's tests, not once a test. Returns each one's
+    JSON object by name; one that raised gives ``{"error": its traceback}`` (:func:`result` raises it)."""
+    return run_interpreted(_MANY, json.dumps(scripts), timeout=timeout)
+
+
+def result(results: dict[str, dict], name: str) -> dict:
+    """Script ``name``'s object in :func:`run_interpreted_many`'s ``results``; fails with its traceback if it raised."""
+    out = results[name]
+    assert set(out) != {"error"}, f"{name} raised:\n{out.get('error')}"
+    return out
+
+
+def compile_for_hopper(script: str, cache_dir: Path, timeout: float = 600) -> str:
     """Run ``script`` (``python -c``) with the compiler, not the interpreter, and a fresh ``TRITON_CACHE_DIR`` at the
     repository root, to compile kernels for sm_90 on the CPU with Triton's bundled ptxas (the test is skipped when
-    there is none); it must succeed. Returns its stdout."""
+    there is none); it must succeed. Returns its stdout. ``timeout``: as in :func:`run_interpreted`."""
     import pytest
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -55,7 +86,7 @@ def compile_for_hopper(script: str, cache_dir: Path, timeout: int = 600) -> str:
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(cache_dir)}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout_s(timeout))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
