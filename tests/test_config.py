@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from conftest import timeout_s
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -162,7 +163,7 @@ def test_slurm_launcher_config_composes() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=__import__("conftest").timeout_s(300))
+                          timeout=timeout_s(300))
 
 
 def test_cli_rejects_bad_values_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import timeout_s
 from test_data_fixtures import make_docs, prepared, split_tokens, write_jsonl, write_parquet
 
 import data.pipeline as pipeline
@@ -294,7 +295,7 @@ def test_cli_overrides_and_errors(tmp_path, capsys):
     write_jsonl(tmp_path / "d.jsonl", make_docs(20, seed=6))
     proc = subprocess.run([sys.executable, "-m", "data.prepare", "source=jsonl", f"paths={tmp_path}/d.jsonl",
                            f"out_dir={tmp_path}/cli", "max_tokens=1000", "num_workers=2", "docs_per_shard=4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=__import__("conftest").timeout_s(120))
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s(120))
     assert proc.returncode == 0, proc.stderr
     assert "1,000 train tokens" in proc.stdout and "tok/s" in proc.stderr and "docs/s" in proc.stderr
     assert "RuntimeWarning" not in proc.stderr

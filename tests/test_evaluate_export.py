@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import timeout_s
 from eval_fixtures import export_toy_run
 
 from eval.harness import load_model
@@ -78,7 +79,7 @@ def test_an_evaluation_killed_while_exporting_leaves_nothing_loadable(
         checkpoint: tuple[Path, torch.nn.Module]) -> None:
     ckpt, model = checkpoint
     proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(ckpt)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=__import__("conftest").timeout_s(300))
+                          text=True, timeout=timeout_s(300))
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not export_complete(ckpt / "hf")
     assert any(ckpt.glob(".hf.*.tmp"))  # the half-written export, under its temp name

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import timeout_s
 
 from slurm import expand, expand_nodelist, load_cluster, plan, rendezvous
 from slurm.status import main as status_main
@@ -266,7 +267,7 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
                                f"run_dir={tmp_path / 'two'}"], cwd=ROOT, env=_env(**slurm, SLURM_NODEID=str(n)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
-    outs = [p.communicate(timeout=__import__("conftest").timeout_s(300))[0] for p in nodes]
+    outs = [p.communicate(timeout=timeout_s(300))[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "node 1/2, 1 process(es), world 2, master localhost:24242" in outs[1]
     assert "2 process(es) x 1 accumulation" in outs[0]
@@ -295,7 +296,7 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGUSR1)  # as SLURM signals every process of the job
-        return proc.wait(timeout=__import__("conftest").timeout_s(240)), proc.communicate()[0]
+        return proc.wait(timeout=timeout_s(240)), proc.communicate()[0]
 
     rc, out = run_until(2)
     assert rc == 75, out[-3000:]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import timeout_s
 
 from trainer.preemption import REQUEUE_EXIT_CODE
 
@@ -34,7 +35,7 @@ def test_a_signal_during_the_imports_exits_75(sig: signal.Signals) -> None:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-2000:]
         time.sleep(0.01)
     proc.send_signal(sig)
-    out = proc.communicate(timeout=__import__("conftest").timeout_s(120))[0]
+    out = proc.communicate(timeout=timeout_s(120))[0]
     assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:]
     assert "max_stepz" not in out
 
@@ -51,7 +52,7 @@ def _sbatch(tmp_path: Path, srun_body: str) -> tuple[int, str]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
            "SLURM_SUBMIT_DIR": str(ROOT)}
     proc = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "model=toy"], env=env,
-                          capture_output=True, text=True, timeout=__import__("conftest").timeout_s(60))
+                          capture_output=True, text=True, timeout=timeout_s(60))
     return proc.returncode, calls.read_text() if calls.is_file() else ""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import timeout_s
 from hydra import compose, initialize_config_dir
 
 from trainer.config import TrainConfig, load_config
@@ -172,7 +173,7 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=__import__("conftest").timeout_s(240))[0]
+    out = proc.communicate(timeout=timeout_s(240))[0]
     assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
     (ckpt,) = (run / "checkpoints").iterdir()
     saved = json.loads((ckpt / "train_state.json").read_text())["step"]
@@ -180,7 +181,7 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
     assert 2 <= saved < 200 and logged[-1] == saved  # saved right after the step the signal interrupted
     # the requeued job resumes from that step
     proc = _cli([*args, f"trainer.stop_after={saved + 2}"])
-    out = proc.communicate(timeout=__import__("conftest").timeout_s(240))[0]
+    out = proc.communicate(timeout=timeout_s(240))[0]
     assert proc.returncode == 0, out[-3000:]
     assert f"resumed from {ckpt}" in out
     assert [r["step"] for r in records(run)[0]] == list(range(1, saved + 3))
@@ -197,7 +198,7 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
     assert one["finished"]
     proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
                  f"run_dir={tmp_path / 'two'}", "trainer.stop_after=2"])
-    out = proc.communicate(timeout=__import__("conftest").timeout_s(300))[0]
+    out = proc.communicate(timeout=timeout_s(300))[0]
     assert proc.returncode == 0, out[-3000:]
     assert "2 process(es) x 1 accumulation" in out
     with pytest.raises(ValueError, match="written by 2 processes"):
