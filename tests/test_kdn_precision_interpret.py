@@ -138,6 +138,7 @@ def test_precise_kernels_scope_the_dot_precision(monkeypatch: pytest.MonkeyPatch
     afterwards, after a failed launch too."""
     import triton
     from fla.ops.gla import chunk as gla
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     from kdn.ops.triton import precision as prec
@@ -151,6 +152,14 @@ def test_precise_kernels_scope_the_dot_precision(monkeypatch: pytest.MonkeyPatch
     while not isinstance(inner, JITFunction):
         inner = inner.fn
     assert type(inner) is prec._PreciseJIT
+    base = original
+    while not isinstance(base, JITFunction):
+        base = base.fn
+    assert inner.cache_key == f"{base.cache_key}-tf32x3"  # the copy's tuned configs are stored apart
+    tuner = copy
+    while not isinstance(tuner, Autotuner):  # under fla's @triton.heuristics
+        tuner = tuner.fn
+    assert tuner.cache_results and tuner.cache == {}
 
     seen = []
 

@@ -29,7 +29,13 @@ DOT_PRECISION = "tf32x3"
 
 
 class _PreciseJIT(JITFunction):
-    """A ``JITFunction`` whose unspecified ``tl.dot`` precision is :data:`DOT_PRECISION`."""
+    """A ``JITFunction`` whose unspecified ``tl.dot`` precision is :data:`DOT_PRECISION`, with a source key of its own:
+    the autotuner's disk cache keys its results by it, so the copy's tuned configurations are stored apart from the
+    original's."""
+
+    @property
+    def cache_key(self) -> str:
+        return f"{super().cache_key}-{DOT_PRECISION}"
 
     def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         kwargs["default_dot_input_precision"] = DOT_PRECISION  # the cache key: apart from the default kernels'
@@ -49,7 +55,8 @@ def _is_kernel(obj: object) -> bool:
 def precise_kernel(kernel: Any) -> Any:
     """The FP32-accurate copy of ``kernel`` (a ``@triton.jit`` function, possibly under ``@triton.heuristics`` and
     ``@triton.autotune``: each wrapper is copied around the copied kernel, the autotuner as Triton's own, with an
-    empty cache and no disk cache, so that it times the copy); made once per kernel. Under the interpreter,
+    empty cache, so that it times the copy, and its results kept in Triton's disk cache under the copy's key); made
+    once per kernel. Under the interpreter,
     ``kernel`` itself."""
     if triton.knobs.runtime.interpret:
         return kernel
@@ -63,8 +70,10 @@ def precise_kernel(kernel: Any) -> Any:
         elif isinstance(kernel, (Autotuner, Heuristics)):
             new = copy.copy(kernel)
             new.fn = precise_kernel(kernel.fn)
-            if isinstance(kernel, Autotuner):  # the copy tunes itself: configs chosen for the default kernel can
-                new.cache, new.cache_results = {}, False  # overflow shared memory with TF32x3's split operands
+            if isinstance(kernel, Autotuner):  # the copy tunes itself (configs chosen for the default kernel can
+                # overflow shared memory with TF32x3's split operands) once per machine: its timings go to Triton's
+                # disk cache under the copy's own key, and so into the autotune tarballs of bench/gpu.sh
+                new.cache, new.cache_results = {}, True
                 if type(kernel) is not Autotuner:  # fla's autotuner first reads configs stored for that kernel
                     new.__class__ = Autotuner
         else:
