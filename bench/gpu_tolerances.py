@@ -117,8 +117,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {args.seeds} seeds, {time.perf_counter() - start:.0f} s", flush=True)
     rows = summarize(errors, bounds)
     print(format_table(rows))
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seeds": args.seeds,
-              "seconds": round(time.perf_counter() - start, 1)}
+    import datetime
+
+    import fla
+    import triton
+
+    from eval.results import git_commit
+
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_commit": git_commit(),
+              "command": " ".join(["python -m bench.gpu_tolerances", *(sys.argv[1:] if argv is None else argv)]),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "fla": fla.__version__, "seeds": args.seeds, "seconds": round(time.perf_counter() - start, 1)}
     write_json(args.out, header, rows)
 
 

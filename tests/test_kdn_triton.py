@@ -1,8 +1,12 @@
 """The CUDA backend against the float64 PyTorch reference: forward and every gradient (marker ``gpu``).
 
-Errors are ``||x - ref|| / ||ref||``. Tolerances are fla's own for KDA: o 0.005; dq, dk, dv, dS0 0.008;
-gates (g, omega, r, initial uncertainty) 0.02. As a control, fla's ``chunk_kda`` is measured against the
-same float64 reference on the same inputs. Set ``KDN_ACCURACY_JSON`` to append every measurement there.
+Errors are ``||x - ref|| / ||ref||``. Tolerances are fla's own for KDA (o 0.005; dq, dk, dv, dS0 0.008; gates g,
+omega, r and the initial uncertainty 0.02), or 1.5x the largest error measured on the H200 where that is larger
+(rounded up on a 1-1.5-2-3-5-7.5 scale): o and S 0.0075 (4.75e-3 and 4.50e-3; bf16 ``q, k, v`` put a floor near
+4.5e-3 under every case), dr 0.03 (1.52e-2), over every case of this file (bench/results/gpu_suite_h200/
+accuracy.jsonl) and 20 seeds at T = 1000 (bench/results/gpu_tolerances.json). As a control, fla's ``chunk_kda`` is
+measured against the same float64 reference on the same inputs. Set ``KDN_ACCURACY_JSON`` to append every
+measurement there.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ import kdn
 from kdn.ops import chunk as kchunk
 
 pytestmark = pytest.mark.gpu
-TOL = {"o": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "S0": 0.008, "g": 0.02, "omega": 0.02, "r": 0.02,
-       "u0": 0.02, "mu": 0.02, "S": 0.005, "uT": 0.005, "A_log": 0.02, "dt_bias": 0.02}
+TOL = {"o": 0.0075, "q": 0.008, "k": 0.008, "v": 0.008, "S0": 0.008, "g": 0.02, "omega": 0.02, "r": 0.03,
+       "u0": 0.02, "mu": 0.02, "S": 0.0075, "uT": 0.005, "A_log": 0.02, "dt_bias": 0.02}
 
 
 def _record(entry: dict) -> None:

@@ -65,16 +65,17 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, **kw: object) -> tuple[torch.T
     return o.detach(), [x.grad] + [p.grad for p in layer.parameters()]
 
 
-# Bounds on ||fla - torch|| / ||torch|| in test_delta_fla_kernels_match_torch_path, each a margin over the largest
-# error of its tensors measured over 20 seeds on the H200: bench/results/gpu_tolerances.json (written by
-# `python -m bench.gpu_tolerances`, which runs delta_fla_errors).
-DELTA_TOL_O = 5e-3  # the output; FP32 inputs, fla's kernels compute in FP32/TF32
-DELTA_TOL_GRAD = 1e-2  # the input's and every weight's gradient
+# Bounds on ||fla - torch|| / ||torch|| in test_delta_fla_kernels_match_torch_path: each 1.5x the largest error of its
+# tensors over 20 seeds (seed 0, the test's, among them) on the H200, rounded up on a 1-1.5-2-3-5-7.5 scale (measured
+# maximum in brackets): bench/results/gpu_tolerances.json, from `python -m bench.gpu_tolerances --seeds 20`, which
+# runs delta_fla_errors.
+DELTA_TOL_O = 1.5e-3  # the output (9.0e-4, Gated DeltaNet); FP32 inputs, fla's kernels compute in FP32/TF32
+DELTA_TOL_GRAD = 5e-3  # the input's and every weight's gradient (2.1e-3, Gated DeltaNet-2's b_proj)
 # the gradient of a parameter with one value per head (A_log; Gated DeltaNet's dt_bias): four values, each a sum over
-# every token and channel of its head with terms of both signs, so TF32's rounding is not averaged out
+# every token and channel of its head with terms of both signs, so TF32's rounding is not averaged out (6.1e-3)
 DELTA_TOL_PER_HEAD_GRAD = 1e-2
-DELTANET_TOL_O = 1e-2  # DeltaNet: fla's kernels take bf16 only, its inputs are rounded
-DELTANET_TOL_GRAD = 2e-2
+DELTANET_TOL_O = 1e-2  # DeltaNet: fla's kernels take bf16 only, its inputs are rounded (5.3e-3)
+DELTANET_TOL_GRAD = 1.5e-2  # (7.3e-3, the output norm's weight)
 DELTA_HEADS = 4
 
 
