@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import timeout_s
 
 from eval.model_dir import Target
 from eval.suites import Context, run_cells
@@ -89,7 +90,7 @@ def test_a_cell_claimed_by_a_killed_evaluation_is_taken_over(tmp_path: Path) -> 
         assert claimed.wait(120), "the first evaluation never started its cell"
         other = SPAWN.Process(target=_evaluate, args=(str(out), [slow, quick], str(tmp_path / "b")))
         other.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout_s(120)
         while quick not in _computed(tmp_path / "b") or not (out / "ruler.json").is_file():
             assert time.monotonic() < deadline and other.is_alive(), "the second evaluation did not skip the cell"
             time.sleep(0.2)

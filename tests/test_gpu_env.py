@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import timeout_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def prepare(tmp: Path, wheels: int, sites: int, **env: str) -> tuple[str, list[s
     (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {tmp}/python3.log\n')
     (stub / "python3").chmod(0o755)
     script = f'. {ROOT}/bench/gpu_env.sh && gpu_prepare && echo "PYTHONPATH=${{PYTHONPATH:-}}"'
-    proc = subprocess.run(["bash", "-c", script], cwd=tmp, capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp, capture_output=True, text=True, timeout=timeout_s(60),
                           env={**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "PYTHONPATH": "",
                                "TRITON_CACHE_DIR": str(tmp / "triton"), "TILELANG_CACHE_DIR": str(tmp / "tl"), **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -581,7 +581,7 @@ def test_a_terminated_grid_takes_its_workers_with_it(tmp_path) -> None:
            "train_examples=64000", "workers=2", f"out={tmp_path}"]
     proc, kids = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout_s(120)
         while len(kids := workers(proc.pid)) < 2:
             assert time.monotonic() < deadline and proc.poll() is None, "the grid did not start its 2 workers"
             time.sleep(0.2)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import timeout_s
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from toy_run import ROOT, TOY, losses, make_cfg, rows, run_train, shard_overrides
@@ -212,7 +213,8 @@ def test_cli_names_the_run_by_its_overrides_and_refuses_another_experiment_in_on
     store_fingerprint(run, asdict(make_cfg(["model=toy", "mixer.mu=1", "optim.lr=1e-3"])))
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "train.py", "model=toy", "mixer.mu=1", "logging=quiet",
-                           f"runs_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           f"runs_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s(300))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"run error: {run} holds another experiment (optim.lr: 0.001 -> 0.0004); start a new run with "
@@ -244,8 +246,8 @@ def test_processes_racing_for_a_stale_lock_let_exactly_one_in(tmp_path: Path) ->
     for p in procs:
         p.start()
     for p in procs:
-        p.join(30)
-    outcome = sorted(results.get(timeout=5) for _ in procs)
+        p.join(timeout_s(30))
+    outcome = sorted(results.get(timeout=timeout_s(5)) for _ in procs)
     assert outcome == ["refused"] * 3 + ["took"]
     assert not (tmp_path / LOCK_FILE).exists()
 

@@ -261,7 +261,7 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     steps: the same global batch, so the losses agree to FP32 rounding."""
     common = [*TOY, *shards, "trainer.max_steps=2"]
     one = subprocess.run([sys.executable, "-m", "slurm.launch", "train.py", *common, f"run_dir={tmp_path / 'one'}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s(300))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
     nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
@@ -291,7 +291,7 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
     def run_until(n_lines: int) -> tuple[int, str]:
         proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
-        deadline = time.time() + 240
+        deadline = time.time() + timeout_s(240)
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n_lines):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.2)
