@@ -12,12 +12,16 @@ changed since its first submission; add ``resume=force`` for train.py to adopt t
 checkpoints), ``of=SWEEP`` (the eval sweep's training sweep), ``cluster.KEY=VALUE`` (conf/slurm/cluster.yaml); every
 other ``key=value`` is a Hydra override of train.py (or of evaluate.py for the eval sweep). Finished runs are
 skipped, and so are runs with a queued or running job (every submitted job id is recorded in the run directory's
-``submit/jobs.jsonl`` and asked of ``squeue``/``sacct``), so running the same command twice submits nothing twice.
+``submit/jobs.jsonl`` and asked of ``squeue``/``sacct``), so running the same command twice submits nothing twice;
+two commands at once take turns (a lock in ``cluster.runs_root``), so the second sees what the first submitted.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from slurm.cluster import ClusterConfig, load_cluster
@@ -66,10 +70,35 @@ def plans(name: str, tool: dict, cluster: ClusterConfig, hydra: list[str]) -> li
     return [plan(j, cluster, force=tool["force"] == "true") for j in jobs]
 
 
+@contextlib.contextmanager
+def submission_lock(runs_root: Path) -> Iterator[None]:
+    """Hold ``runs_root/.submit.lock`` (waiting, with a line on stderr, while another sweep command holds it): the
+    plans made inside see every job that an earlier holder submitted. Released when the process ends, however."""
+    runs_root.mkdir(parents=True, exist_ok=True)
+    path = runs_root / ".submit.lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting: another sweep command is submitting into {shown(runs_root)} (lock {shown(path)})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args, tool, cluster_overrides, hydra = parse(argv)
         cluster = load_cluster(cluster_overrides)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with contextlib.nullcontext() if args.dry_run else submission_lock(ROOT / cluster.runs_root):
+        return _plan_and_submit(args, tool, cluster, hydra)
+
+
+def _plan_and_submit(args: argparse.Namespace, tool: dict, cluster: ClusterConfig, hydra: list[str]) -> int:
+    try:
         todo = plans(args.name, tool, cluster, hydra)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)

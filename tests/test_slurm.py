@@ -158,6 +158,25 @@ def test_a_second_sweep_command_skips_runs_with_a_live_job_and_status_shows_ever
                                     "keep the oldest: scancel 1009").replace("runs/", f"{runs}/", 1)
 
 
+def test_two_sweep_commands_at_once_submit_each_run_once(tmp_path: Path) -> None:
+    """Two `python -m slurm.sweep` of one sweep started together (a slow sbatch widens the window in which both
+    would plan before either records a job): each run is submitted once, and the second waits, then skips."""
+    tools = fake_tools(tmp_path)
+    sbatch = tools / "sbatch"
+    sbatch.write_text(sbatch.read_text().replace("#!/bin/bash\n", "#!/bin/bash\nsleep 1\n", 1))
+    (tmp_path / "queue").write_text("".join(f"{1000 + n} PENDING\n" for n in range(1, 7)))  # every job stays queued
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "slurm.sweep", "table5_noise", f"cluster.runs_root={tmp_path / 'runs'}",
+           "trainer.max_steps=4"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=timeout_s(300)) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert len((tmp_path / "sbatch.log").read_text().splitlines()) == 3
+    assert sorted(len(_submitted(out)) for out, _ in outs) == [0, 3]
+    assert any("waiting: another sweep command is submitting" in err for _, err in outs)
+
+
 def _tools_dir(tmp: Path, name: str, sbatch: str | None) -> Path:
     """A PATH folder with squeue and sacct that know no job, and ``sbatch`` with body ``sbatch`` (None: none)."""
     bin_dir = tmp / name
@@ -179,14 +198,14 @@ def test_a_refused_submission_freezes_nothing_and_a_corrected_one_is_accepted(
     assert shutil.which("sbatch") is None
     assert sweep_main(args) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
-    assert not runs.exists()
+    assert [p.name for p in runs.iterdir()] == [".submit.lock"]  # no run directory: nothing frozen
     refuse = 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1'
     monkeypatch.setenv("PATH", f"{_tools_dir(tmp_path, 'refuse', refuse)}:{os.environ['PATH']}")
     assert sweep_main([*args, "cluster.partition=gpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "sbatch refused the job (sbatch: error: invalid partition specified: gpu)" in err
     assert len(err.splitlines()) == 1
-    assert not runs.exists()  # not even the run directories
+    assert [p.name for p in runs.iterdir()] == [".submit.lock"]  # not even the run directories
     accept = f'echo "$@" >> {tmp_path}/sbatch.log; echo "2001;cluster"'
     monkeypatch.setenv("PATH", f"{_tools_dir(tmp_path, 'accept', accept)}:{os.environ['PATH']}")
     assert sweep_main([*args, "optim.lr=1e-3"]) == 0  # another setting: accepted, as nothing was submitted before
