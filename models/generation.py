@@ -244,18 +244,20 @@ def _bucket(B: int, batch_buckets: Sequence[int] | None) -> int:
     return next(b for b in buckets if b >= B)
 
 
-def _stop_ends(out: Tensor, done: Tensor, steps: int, stop_strings: Sequence[str], tokenizer: Any) -> dict[int, int]:
-    """Rows (not yet done) whose first ``steps`` new tokens contain a stop string: ``{row: new tokens up to and
-    including the token that completes it}``."""
+def _stop_ends(out: Tensor, lengths: Tensor, since: int, steps: int, stop_strings: Sequence[str],
+               tokenizer: Any) -> dict[int, int]:
+    """Rows whose new tokens (the first ``steps``, or up to the row's end when an EOS or a stopping criterion ended
+    it) contain a stop string: ``{row: new tokens up to and including the token that completes it}``. Rows that
+    ended within ``since`` tokens were read by the previous look and are skipped."""
     tokens = out[:, :steps].tolist()
     ends = {}
-    for row, finished in enumerate(done.tolist()):
-        if finished:
+    for row, n in enumerate(lengths.clamp(max=steps).tolist()):
+        if n <= since:
             continue
-        toks = tokens[row]
+        toks = tokens[row][:n]
         if not any(s in tokenizer.decode(toks) for s in stop_strings):
             continue
-        lo, hi = 1, steps  # the shortest prefix whose text holds a stop string
+        lo, hi = 1, n  # the shortest prefix whose text holds a stop string
         while lo < hi:
             mid = (lo + hi) // 2
             if any(s in tokenizer.decode(toks[:mid]) for s in stop_strings):
@@ -331,7 +333,7 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     scores = [] if output_scores else None
-    steps = 0
+    steps = since = 0  # since: new tokens when the host last looked at the stop strings
     tok = out[:, 0]
     for t in range(max_new_tokens):
         if t:
@@ -355,13 +357,13 @@ def generate(
             ends = flagged & ~done
             lengths = torch.where(ends, t + 1, lengths)
             done = done | ends
-            if bool(done.all()):
-                break
-        if (eos or stop_strings) and (steps % check_every == 0 or steps == max_new_tokens):
-            if stop_strings:
-                for row, end in _stop_ends(out, done, steps, stop_strings, tokenizer).items():
+        ended = bool(stopping_criteria) and bool(done.all())  # the criteria sync every token anyway
+        if ended or ((eos or stop_strings) and (steps % check_every == 0 or steps == max_new_tokens)):
+            if stop_strings:  # a stop string completed before a row's EOS (or criterion) in this window ends it there
+                for row, end in _stop_ends(out, lengths, since, steps, stop_strings, tokenizer).items():
                     lengths[row] = end
                     done[row] = True
+                since = steps
             if bool(done.all()):
                 break
     n = int(lengths.max()) if bool(done.all()) else steps
