@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import os
 import re
 import shutil
@@ -27,6 +26,8 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+from trainer.checkpoint import write_json_atomic
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis")
 METRICS = ("regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio$",  # every stall reason
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = summarize(launches)
         print(format_table(mixer, rows), flush=True)
         result["mixers"][mixer] = {"kernels": rows, "launches": launches}
-        _write(args.out, result)
+        write_json_atomic(args.out, result)  # a run cut short keeps every mixer it finished
     print(f"wrote {args.out}")
     return 0
 
@@ -211,14 +212,6 @@ def _provenance() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__}
-
-
-def _write(path: Path, result: dict) -> None:
-    """``result`` as JSON, atomically: a run cut short keeps every mixer it finished."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
 
 
 if __name__ == "__main__":
