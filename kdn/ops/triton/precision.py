@@ -56,8 +56,7 @@ def precise_kernel(kernel: Any) -> Any:
     """The FP32-accurate copy of ``kernel`` (a ``@triton.jit`` function, possibly under ``@triton.heuristics`` and
     ``@triton.autotune``: each wrapper is copied around the copied kernel, the autotuner as Triton's own, with an
     empty cache, so that it times the copy, and its results kept in Triton's disk cache under the copy's key); made
-    once per kernel. Under the interpreter,
-    ``kernel`` itself."""
+    once per kernel. Under the interpreter, ``kernel`` itself."""
     if triton.knobs.runtime.interpret:
         return kernel
     key = id(kernel)
