@@ -73,7 +73,10 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
 
 def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> Callable[[], None] | None:
     """The recurrent kernel alone (fwd+bwd) on layer-like inputs, for the mixers we can call directly;
-    ``settings`` as in :func:`build_layer`."""
+    ``settings`` as in :func:`build_layer`. KDN runs as its layers call it, without the API's value checks
+    (``validate=False``: a NaN/range pass over every input and a host sync, not the recurrence), and every mixer's
+    input gradients are handed over, not summed into the previous call's (``.grad`` cleared first), as in a layer
+    whose gradients flow on to the projections."""
     import kdn
 
     dev = torch.device("cuda")
@@ -86,13 +89,21 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> 
         from fla.ops.kda import chunk_kda
 
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        return lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0].sum().backward()
-    if name in ("kdn_diag", "kdn_iso"):
+        leaves, run = (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
+    elif name in ("kdn_diag", "kdn_iso"):
         iso = name == "kdn_iso"
         omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
-        fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, **settings)
-        return lambda: fn(q, k, v, g, omega, r)[0].sum().backward()
-    return None
+        fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, validate=False, **settings)
+        leaves, run = (q, k, v, g, omega, r), lambda: fn(q, k, v, g, omega, r)[0]
+    else:
+        return None
+
+    def step() -> None:
+        for x in leaves:
+            x.grad = None
+        run().sum().backward()
+
+    return step
 
 
 def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
