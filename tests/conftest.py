@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed and _config:
         terminal = _config[0].pluginmanager.get_plugin("terminalreporter")
         terminal.write_line(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A run of the GPU tests alone (``-m gpu``, as ``bench/gpu.sh kernels`` runs them) does not import the test
+    modules that hold none (no ``mark.gpu`` in their text): their imports (the evaluation stack: ``datasets``,
+    ``lm_eval``) need not be installed on a GPU machine for tests that would be deselected anyway."""
+    if (config.getoption("markexpr", "").strip() == "gpu" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "mark.gpu" not in collection_path.read_text(encoding="utf-8")
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
