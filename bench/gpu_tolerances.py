@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from bench import provenance
+
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 Comparison = Callable[[int], dict[str, float]]
 Bound = Callable[[str], str]
@@ -117,18 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {args.seeds} seeds, {time.perf_counter() - start:.0f} s", flush=True)
     rows = summarize(errors, bounds)
     print(format_table(rows))
-    import datetime
-
-    import fla
-    import triton
-
-    from eval.results import git_commit
-
-    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git_commit": git_commit(),
-              "command": " ".join(["python -m bench.gpu_tolerances", *(sys.argv[1:] if argv is None else argv)]),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "fla": fla.__version__, "seeds": args.seeds, "seconds": round(time.perf_counter() - start, 1)}
+    header = {**provenance("bench.gpu_tolerances", argv), "seeds": args.seeds,
+              "seconds": round(time.perf_counter() - start, 1)}
     write_json(args.out, header, rows)
 
 

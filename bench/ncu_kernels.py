@@ -27,6 +27,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from bench import provenance
 from trainer.checkpoint import write_json_atomic
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis")
@@ -177,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench.ncu_kernels needs a CUDA GPU: run it on the GPU machine "
                          "(bash bench/gpu.sh \"bench=ncu_kernels\")")
-    result: dict = {"header": {**_provenance(), "command": " ".join(["python -m bench.ncu_kernels",
-                                                                    *(sys.argv[1:] if argv is None else argv)]),
-                               "B": args.batch, "T": args.T, "H": args.heads, "K": args.head_dim,
-                               "sections": list(SECTIONS)}, "mixers": {}}
+    result: dict = {"header": {**provenance("bench.ncu_kernels", argv), "B": args.batch, "T": args.T,
+                               "H": args.heads, "K": args.head_dim, "sections": list(SECTIONS)}, "mixers": {}}
     for mixer in args.mixers:
         with tempfile.TemporaryDirectory() as tmp:
             log = Path(tmp) / "ncu.csv"
@@ -199,19 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(args.out, result)  # a run cut short keeps every mixer it finished
     print(f"wrote {args.out}")
     return 0
-
-
-def _provenance() -> dict:
-    import datetime
-
-    import torch
-    import triton
-
-    from eval.results import git_commit
-
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__}
 
 
 if __name__ == "__main__":

@@ -380,3 +380,19 @@ def test_gpu_kernels_stage_selects_every_gpu_test_without_an_expression(tmp_path
                           timeout=timeout_s(240), env=env)
     log = (out / "gpu.log").read_text()
     assert proc.returncode == 0 and "2 passed, 1 deselected" in log, log[-2000:] + proc.stderr[-2000:]
+
+
+def test_provenance_names_the_command_commit_and_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.provenance: what each GPU figure records (bench.gpu_tolerances, bench.ncu_kernels)."""
+    import torch
+    import triton
+
+    from bench import provenance
+
+    monkeypatch.setenv("KDN_GIT_COMMIT", "abc1234")
+    head = provenance("bench.ncu_kernels", ["--T", "8192"])
+    assert head["command"] == "python -m bench.ncu_kernels --T 8192"
+    assert head["git_commit"] == "abc1234"
+    assert (head["torch"], head["triton"]) == (torch.__version__, triton.__version__)
+    assert head["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    assert head["date"].endswith("+00:00") and "fla" in head

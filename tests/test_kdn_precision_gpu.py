@@ -68,8 +68,8 @@ def outputs(iso: bool, case: str, backend: str) -> dict[str, torch.Tensor]:
 
 def errors(iso: bool, case: str, route: str) -> dict[str, float]:
     """Relative errors of :func:`outputs` of ``route`` against the float64 reference."""
-    ref = {n: t.cpu() for n, t in outputs(iso, case, "reference").items()}
-    return {n: rel_err(t.cpu(), ref[n]) for n, t in outputs(iso, case, route).items()}
+    ref = outputs(iso, case, "reference")
+    return {n: rel_err(t, ref[n]) for n, t in outputs(iso, case, route).items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
