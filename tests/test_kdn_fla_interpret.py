@@ -39,9 +39,11 @@ from kdn_inputs import make_inputs, make_state, rel_err
 out = {}
 names = ("q", "k", "v", "g", "omega", "r")
 # a batch of 2 with S0 (tensor-core diagonal blocks, 64 + 13 tokens); one sequence under strong forgetting (fla's
-# token loop, 64 + 1 tokens), which the interpreter runs slowly
-for iso, B, T, g_min, with_S0 in ((False, 2, 77, -3.0, True), (False, 1, 65, -12.0, False),
-                                  (True, 1, 65, -12.0, False), (True, 2, 77, -3.0, True)):
+# token loop, 64 + 1 tokens), which the interpreter runs slowly; gain segments of 40 and 96 tokens, which straddle
+# the memory's chunks (the gains' last launches sum the memory's dg within the chunks)
+for iso, B, T, g_min, with_S0, seg in ((False, 2, 77, -3.0, True, None), (False, 1, 65, -12.0, False, None),
+                                       (True, 1, 65, -12.0, False, None), (True, 2, 77, -3.0, True, None),
+                                       (False, 1, 150, -3.0, False, 40), (True, 1, 200, -3.0, False, 96)):
     H, K = 2, 16
     x = make_inputs(B, T, H, K, K, isotropic=iso, seed=T, g_min=g_min)
     S0, u0 = make_state(B, H, K, K, isotropic=iso)
@@ -54,7 +56,7 @@ for iso, B, T, g_min, with_S0 in ((False, 2, 77, -3.0, True), (False, 1, 65, -12
     o64, (S64, e64) = fn(*(l64[n] for n in names), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, backend="torch")
     tf = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
-    o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37)
+    o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37, segment_size=seg)
     gen = torch.Generator().manual_seed(0)
     ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o64, S64, e64)]
     sum((a * u).sum() for a, u in zip((o64, S64, e64), ups)).backward()
@@ -62,7 +64,7 @@ for iso, B, T, g_min, with_S0 in ((False, 2, 77, -3.0, True), (False, 1, 65, -12
     errs = {"o": rel_err(o32, o64), "S": rel_err(S32, S64), "uT": rel_err(e32, e64)}
     errs |= {"d" + n: rel_err(l32[n].grad, l64[n].grad) for n in l64}
     errs["safe_gate"] = float(bool(safe_gate(l32["g"])))
-    out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}"] = errs
+    out[f"{'iso' if iso else 'diag_asym'}_T{T}_g{g_min:g}" + (f"_seg{seg}" if seg else "")] = errs
     if with_S0 and not iso:  # the backward's recomputed WY terms and chunk states give the kept ones' gradients
         lr = {n: t.detach().clone().requires_grad_() for n, t in l32.items()}
         o_r, (S_r, e_r) = tf(*(lr[n] for n in names), mu, (lr.get("S0"), lr["u0"]), scale=0.37,
@@ -130,6 +132,7 @@ def test_fla_paths_in_interpreter_match_reference(script: str, interpreted: dict
         assert max(e.values()) < 5e-5, (case, e)
     if script == "memory":  # both memories through both of fla's diagonal-block paths
         assert paths == {"diag_asym_T77_g-3": 1.0, "diag_asym_T65_g-12": 0.0, "iso_T65_g-12": 0.0, "iso_T77_g-3": 1.0,
+                         "diag_asym_T150_g-3_seg40": 1.0, "iso_T200_g-3_seg96": 1.0,
                          "diag_asym_T77_recompute_gap": -1.0}
         assert errs["diag_asym_T77_recompute_gap"]["gap"] == 0.0
 

@@ -251,13 +251,16 @@ def _diag_gain_bwd_kernel(
     k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, A_ptr, carry_ptr, post_ptr, lam_ptr, dkappa_ptr, da_ptr, db_ptr,
     dk_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, dA_ptr, dbias_ptr, cu_ptr, T, NS, SEG,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EMIT_AB: tl.constexpr, IS_VARLEN: tl.constexpr,
-    OMEGA_SOFTPLUS: tl.constexpr, GATE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OMEGA_SOFTPLUS: tl.constexpr, GATE: tl.constexpr, ACCUMULATE: tl.constexpr, DG_CHUNK: tl.constexpr,
 ):
     # one (sequence*head, segment), latest token first: p_{t-1} from post (the carry at the segment's first
     # token), p^ and the row sums again, then the gradients and lambda_{t-1} = a (e + lambda_t / (1 + u p^)^2);
     # ACCUMULATE: dk and dg also add the memory's gradients of the same k and g (dk_mem, dg_mem [B,T,H,K]), in FP32,
-    # prefetched a token ahead; GATE: dg_ptr takes the gradient of the gate's input f, and the program's partial sums
-    # of those of A_log (sum dg g) and dt_bias go to dA [N*H, NS] and dbias [N*H, NS, K]
+    # prefetched a token ahead; DG_CHUNK > 0: dg_mem holds per-token terms whose reverse cumulative sum within chunks
+    # of DG_CHUNK tokens is the memory's gradient of g (the sum fla's intra-chunk backward ends with), kept here as a
+    # running sum that starts from the terms of the segment's last chunk after the segment; GATE: dg_ptr takes the
+    # gradient of the gate's input f, and the program's partial sums of those of A_log (sum dg g) and dt_bias go to
+    # dA [N*H, NS] and dbias [N*H, NS, K]
     bh, s, h, bos, t0, t1, offs_k, mk, mu = _diag_program(cu_ptr, mu_ptr, T, SEG, H, K, BK, IS_VARLEN)
     gA = tl.exp(tl.load(A_ptr + h).to(tl.float32)) if GATE else 1.0
     ok = t0 < t1
@@ -271,6 +274,11 @@ def _diag_gain_bwd_kernel(
     dkap = _diag_dkappa(dkappa_ptr, db_ptr, bos + last, h, offs_k, ok, H, K, EMIT_AB)
     pp = tl.load(post_ptr + ((bos + last - 1) * H + h) * K + offs_k, mask=_chan(offs_k, K, last > t0), other=1.0)
     dkm, dgm = _diag_mem_grads(dk_mem_ptr, dg_mem_ptr, bos + last, h, offs_k, ok, H, K, BK, ACCUMULATE)
+    dgs = tl.zeros([BK], tl.float32)
+    if DG_CHUNK > 0:
+        Tn = _sequence(cu_ptr, bh // H, T, IS_VARLEN)[1]
+        for t in range(t1, tl.minimum(tl.cdiv(t1, DG_CHUNK) * DG_CHUNK, Tn)):
+            dgs += tl.load(dg_mem_ptr + ((bos + t) * H + h) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
     for j in range(t1 - t0):
         t = t1 - 1 - j
         nok = t - 1 >= t0
@@ -292,6 +300,9 @@ def _diag_gain_bwd_kernel(
             da = tl.load(da_ptr + idx, mask=mk, other=0.0).to(tl.float32) * tl.exp(g)
             dk += da
             dg += da * kf
+        if DG_CHUNK > 0:
+            dgs = tl.where(t % DG_CHUNK == DG_CHUNK - 1, 0.0, dgs) + dgm
+            dgm = dgs
         dk += dkm
         dg += dgm
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=mk)
@@ -354,12 +365,14 @@ def _diag_gain_fwd(
 def _diag_gain_bwd(
     saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
     omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
-    f_dtype: torch.dtype = torch.float32, segment_size: int | None = None,
+    f_dtype: torch.dtype = torch.float32, segment_size: int | None = None, mem_dg_chunk: int = 0,
 ) -> tuple[Tensor | None, ...]:
     """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0, dgate)`` from ``saved``
     (:func:`_diag_gain_fwd`) and the gradients of its outputs ``grads = (dkappa, [da, db,] dp_T)``.
     ``mem_grads = (dk_mem, dg_mem)``, ``[B,T,H,K]`` each (any float dtype): further gradients of the same ``k``
-    and ``g``, added in the last launch (in FP32; ``dk`` is stored in ``k``'s dtype). ``dmu`` is ``None``
+    and ``g``, added in the last launch (in FP32; ``dk`` is stored in ``k``'s dtype); with ``mem_dg_chunk > 0``,
+    ``dg_mem`` holds per-token terms whose reverse cumulative sums within chunks of that many tokens (counted from
+    each sequence's start) are the gradient, summed in that launch. ``dmu`` is ``None``
     unless ``need_dmu``. When ``g`` came from KDA's gate (``A_log`` saved, :func:`_diag_gain_fwd`), ``dg`` is that of
     the gate's input ``f`` (in ``f_dtype``) and ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32); ``None`` otherwise.
     ``segment_size``: the forward's."""
@@ -387,7 +400,8 @@ def _diag_gain_bwd(
     _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
     _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da, db,
                                        dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
-                                       ACCUMULATE=mem_grads is not None, GATE=gate, **tiles, **act)
+                                       ACCUMULATE=mem_grads is not None, GATE=gate, DG_CHUNK=mem_dg_chunk, **tiles,
+                                       **act)
     dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
     return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0, dgate
 

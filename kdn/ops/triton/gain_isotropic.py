@@ -168,11 +168,15 @@ def _iso_seg_bwd_kernel(
 @triton.jit
 def _iso_gain_bwd_kernel(
     k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, seg_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
-    dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, cu_ptr, T, NS, SEGC,
+    dk_mem_ptr, dkappa_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, cu_ptr, T, NS, SEGC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DG_CHUNK: tl.constexpr,
 ):
     # one (sequence*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
-    # then its chunks, latest first
+    # then its chunks, latest first; ACCUMULATE: dk adds the memory's gradients of the same k on both of its sides
+    # (dk_mem, dkappa_mem [B,T,H,K]) and dg the memory's, dg_mem [B,T,H,K] holding per-token terms whose reverse
+    # cumulative sums within chunks of DG_CHUNK tokens (a multiple of BT) are that gradient: a cumulative sum over
+    # the reversed rows plus a carry from the chunk's later tokens, started after the segment's end
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -193,6 +197,13 @@ def _iso_gain_bwd_kernel(
     first = ar == BT - 1
     c0, c1 = _seg_chunks(s, SEGC, Tn, BT)
     NT = tl.cdiv(T, BT)
+    dgc = tl.zeros([BK], tl.float32)
+    if ACCUMULATE:
+        for t in range(c1 * BT, tl.minimum(tl.cdiv(c1 * BT, DG_CHUNK) * DG_CHUNK, Tn), BT):
+            rt = t + ar
+            mt = rt < Tn
+            idx = ((bos + rt) * H + h)[:, None] * K + offs_k[None, :]
+            dgc += tl.sum(tl.load(dg_mem_ptr + idx, mask=mt[:, None] & mk[None, :], other=0.0), axis=0)
     for j in range(c1 - c0):
         c = c1 - 1 - j
         t0 = c * BT
@@ -223,8 +234,16 @@ def _iso_gain_bwd_kernel(
         dn = -dbeta * bhat * bhat / (s_row * s_row) + du * mu / (K * r)
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
         a = tl.exp(2.0 * tl.load(g_ptr + idx, mask=m, other=0.0))
-        tl.store(dk_ptr + idx, (2.0 * kf * dn[:, None]).to(dk_ptr.dtype.element_ty), mask=m)
-        tl.store(dg_ptr + idx, (2.0 / K) * a * (b_prev * dbh)[:, None], mask=m)
+        dk = 2.0 * kf * dn[:, None]
+        dg = (2.0 / K) * a * (b_prev * dbh)[:, None]
+        if ACCUMULATE:
+            dk += tl.load(dk_mem_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            dk += tl.load(dkappa_mem_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            dgm = tl.load(dg_mem_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            dg += tl.cumsum(dgm, axis=0) + dgc[None, :]
+            dgc = tl.where(t0 % DG_CHUNK == 0, 0.0, dgc + tl.sum(dgm, axis=0))
+        tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=m)
+        tl.store(dg_ptr + idx, dg, mask=m)
         tl.store(dw_ptr + tok, dbh, mask=mt)
         tl.store(dr_ptr + tok, -dbeta * bhat / (s_row * s_row) - du * u / r, mask=mt)
         dmu += du * n / (K * r)
@@ -232,6 +251,58 @@ def _iso_gain_bwd_kernel(
     if s == 0:
         tl.store(db0_ptr + bh, lam)
     tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
+
+
+def _iso_gain_fwd(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor, out_dtype: torch.dtype,
+    cu_seqlens: Tensor | None, N: int, L: int, segment_size: int | None,
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor | None, ...]]:
+    """The Isotropic gain's forward launches: ``((beta, b_T), saved)``, ``saved`` what :func:`_iso_gain_bwd` takes
+    (``k``, FP32 gates, the per-token ``abar`` and ``||k||^2``, the chunks' carries, ``cu_seqlens``)."""
+    B, T, H, K = k.shape
+    k = k.contiguous()
+    g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
+    SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=segment_size)
+    beta = k.new_empty(B, T, H, dtype=out_dtype)
+    abar, n = torch.empty_like(r), torch.empty_like(r)
+    seg = b0.new_empty(N * H, NS, 4)
+    carry = b0.new_empty(N, H, triton.cdiv(L, _ISO_BT))
+    bT = torch.empty_like(b0)
+    tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
+    _iso_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, seg, cu_seqlens, L, NS, SEGC,
+                                     BK=triton.next_power_of_2(K), **tiles)
+    _iso_gain_fwd_kernel[(N * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, cu_seqlens, L, NS, SEGC,
+                                      **tiles)
+    return (beta, bT), (k, g, omega, r, mu, abar, n, carry, cu_seqlens)
+
+
+def _iso_gain_bwd(
+    saved: tuple[Tensor | None, ...], dbeta: Tensor, dbT: Tensor, N: int, L: int, need_dmu: bool,
+    segment_size: int | None, mem_grads: tuple[Tensor, Tensor, Tensor] | None = None, mem_dg_chunk: int = 0,
+) -> tuple[Tensor | None, ...]:
+    """The Isotropic gain's backward launches: ``(dk, dg, domega, dr, dmu, db0)`` from ``saved``
+    (:func:`_iso_gain_fwd`) and the gradients of ``beta`` (any float dtype) and ``b_T``. ``mem_grads = (dk_mem,
+    dkappa_mem, dg_mem)``, ``[B,T,H,K]`` each: the memory's gradients of the same ``k`` (read and write key) and
+    ``g``, added in the last launch in FP32, ``dg_mem`` given before its reverse cumulative sums within chunks of
+    ``mem_dg_chunk`` tokens, which that launch takes. ``dmu`` is ``None`` unless ``need_dmu``."""
+    k, g, omega, r, mu, abar, n, carry, cu_seqlens = saved
+    H, K = k.shape[2:]
+    SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=segment_size)
+    dbeta = dbeta.contiguous()
+    dk_mem, dkappa_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dbeta,) * 3
+    dk, dg = torch.empty_like(k), torch.empty_like(g)
+    dw, dr = torch.empty_like(omega), torch.empty_like(r)
+    db0 = torch.empty(N, H, device=k.device, dtype=torch.float32)
+    dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
+    seg = torch.empty(N * H, NS, 2, device=k.device, dtype=torch.float32)
+    scratch = torch.empty(N * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
+    tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
+    _iso_seg_bwd_kernel[(N * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, cu_seqlens, L, NS, SEGC, **tiles)
+    _iso_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
+                                      scratch, dk_mem, dkappa_mem, dg_mem, dk, dg, dw, dr, dmu, db0, cu_seqlens, L,
+                                      NS, SEGC, BK=triton.next_power_of_2(K), ACCUMULATE=mem_grads is not None,
+                                      DG_CHUNK=mem_dg_chunk if mem_grads is not None else _ISO_BT, **tiles)
+    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, db0
 
 
 class _IsotropicGain(torch.autograd.Function):
@@ -246,44 +317,15 @@ class _IsotropicGain(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
         b0: Tensor, out_dtype: torch.dtype, cu_seqlens: Tensor | None, N: int, L: int, segment_size: int | None,
     ) -> tuple[Tensor, Tensor]:
-        B, T, H, K = k.shape
-        k = k.contiguous()
-        g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
-        SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=segment_size)
-        beta = k.new_empty(B, T, H, dtype=out_dtype)
-        abar, n = torch.empty_like(r), torch.empty_like(r)
-        seg = b0.new_empty(N * H, NS, 4)
-        carry = b0.new_empty(N, H, triton.cdiv(L, _ISO_BT))
-        bT = torch.empty_like(b0)
-        tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
-        _iso_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, seg, cu_seqlens, L, NS, SEGC,
-                                         BK=triton.next_power_of_2(K), **tiles)
-        _iso_gain_fwd_kernel[(N * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, cu_seqlens, L, NS, SEGC,
-                                          **tiles)
-        ctx.save_for_backward(k, g, omega, r, mu, abar, n, carry, cu_seqlens)
+        outs, saved = _iso_gain_fwd(k, g, omega, r, mu, b0, out_dtype, cu_seqlens, N, L, segment_size)
+        ctx.save_for_backward(*saved)
         ctx.seqs, ctx.segment_size = (N, L), segment_size
-        return beta, bT
+        return outs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dbeta: Tensor, dbT: Tensor) -> tuple[Tensor | None, ...]:
-        k, g, omega, r, mu, abar, n, carry, cu_seqlens = ctx.saved_tensors
-        H, K = k.shape[2:]
-        N, L = ctx.seqs
-        SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=ctx.segment_size)
-        dbeta = dbeta.contiguous()
-        dk, dg = torch.empty_like(k), torch.empty_like(g)
-        dw, dr = torch.empty_like(omega), torch.empty_like(r)
-        db0 = torch.empty(N, H, device=k.device, dtype=torch.float32)
-        dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
-        seg = torch.empty(N * H, NS, 2, device=k.device, dtype=torch.float32)
-        scratch = torch.empty(N * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
-        tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
-        _iso_seg_bwd_kernel[(N * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, cu_seqlens, L, NS, SEGC, **tiles)
-        _iso_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
-                                          scratch, dk, dg, dw, dr, dmu, db0, cu_seqlens, L, NS, SEGC,
-                                          BK=triton.next_power_of_2(K), **tiles)
-        dmu = dmu.sum((0, 2)) if ctx.needs_input_grad[4] else None
-        return dk, dg, dw, dr, dmu, db0, None, None, None, None, None
+        grads = _iso_gain_bwd(ctx.saved_tensors, dbeta, dbT, *ctx.seqs, ctx.needs_input_grad[4], ctx.segment_size)
+        return *grads, None, None, None, None, None
 
 
 def isotropic_gain(

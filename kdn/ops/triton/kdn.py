@@ -23,12 +23,12 @@ from torch import Tensor
 
 from kdn.ops.gate import kda_gate
 from kdn.ops.triton.gain_diagonal import _diag_gain_bwd, _diag_gain_fwd, diagonal_gain_dplr
-from kdn.ops.triton.gain_isotropic import isotropic_gain
+from kdn.ops.triton.gain_isotropic import _iso_gain_bwd, _iso_gain_fwd
 from kdn.ops.triton.gate import kda_gate_fwd
 from kdn.ops.triton.memory import _asym_memory_bwd, _asym_memory_fwd, _AsymmetricMemory
 from kdn.ops.triton.safe_gate import SafeGate, safe_gate, safe_steepest
 from kdn.ops.triton.utils import _check_gain_shapes, _mem_dtype
-from kdn.ops.validate import check_memory, check_precision
+from kdn.ops.validate import ASYM_CHUNK, check_memory, check_precision
 
 
 class _DiagonalKDN(torch.autograd.Function):
@@ -72,14 +72,54 @@ class _DiagonalKDN(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None, dpT: Tensor
     ) -> tuple[Tensor | None, ...]:
         saved, n = ctx.saved_tensors, ctx.n_gain
+        # the memory's dg before its chunk-local reverse sums: the gain's last launch walks the tokens and sums it
         dq, dk_mem, dkappa, dv, dg_mem, _, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS,
-                                                                      ctx.precise)
+                                                                      ctx.precise, dg_chunk_sums=False)
         dk, dg, dw, dr, dmu, dp0, dgate = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs,
                                                          ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
-                                                         ctx.f_dtype, ctx.segment_size)
+                                                         ctx.f_dtype, ctx.segment_size, ASYM_CHUNK)
         dA, dbias = dgate if dgate is not None else (None, None)
         return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 9, dA, dbias, None
 
+
+
+class _IsotropicKDN(torch.autograd.Function):
+    """``(q, k, v, g, omega, r, mu, b0, S0) -> (o, S_T, b_T)``: the fused Isotropic gain feeding KDA's rule (the
+    asymmetric memory with ``kappa = k`` and ``beta`` the gain), one autograd node. Its backward runs the memory's,
+    then the gain's, whose last launch adds the memory's gradients of ``k`` (both sides) and ``g`` to its own and takes
+    the memory's chunk-local sums of ``dg``: no separate ``[B,T,H,K]`` sums. The gain receives ``dbeta`` in FP32.
+
+    ``q, v`` in the memory's dtype (``beta``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest as
+    :func:`chunk_isotropic_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`,
+    ``check`` :func:`kdn.ops.triton.safe_gate.safe_gate`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
+        r: Tensor, mu: Tensor, b0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
+        cu_seqlens: Tensor | None, N: int, L: int, check: SafeGate, recompute_states: bool,
+        segment_size: int | None, precise: bool,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        (beta, bT), gain = _iso_gain_fwd(k, g, omega, r, mu, b0, q.dtype, cu_seqlens, N, L, segment_size)
+        km = k.to(q.dtype)
+        o, S, mem, ctx.safe = _asym_memory_fwd(q, km, km, v, g, beta, S0, scale, output_final_state, cu_seqlens,
+                                               check, None, recompute_states, precise)
+        ctx.save_for_backward(*gain, *mem)
+        ctx.precise, ctx.n_gain, ctx.seqs, ctx.scale = precise, len(gain), (N, L), scale
+        ctx.segment_size = segment_size
+        return o, S, bT
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: Tensor, dS: Tensor | None, dbT: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        saved, n = ctx.saved_tensors, ctx.n_gain
+        dq, dk_mem, dkappa_mem, dv, dg_mem, dbeta, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS,
+                                                                          ctx.precise, dg_chunk_sums=False)
+        dk, dg, dw, dr, dmu, db0 = _iso_gain_bwd(saved[:n], dbeta, dbT, *ctx.seqs, ctx.needs_input_grad[6],
+                                                 ctx.segment_size, (dk_mem, dkappa_mem, dg_mem), ASYM_CHUNK)
+        return dq, dk, dv, dg, dw, dr, dmu, db0, dS0, *(None,) * 9
 
 
 def chunk_diagonal_kdn(
@@ -162,10 +202,10 @@ def chunk_isotropic_kdn(
     precise = check_precision(precision) == "fp32"
     dt = torch.float32 if precise else _mem_dtype(v)
     check = safe_gate(g)  # read after the gain's kernels are queued
-    beta, bT = isotropic_gain(k, g, omega, r, mu, b0, dt, cu_seqlens=cu_seqlens, segment_size=segment_size)
-    o, S = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g, beta, scale=scale, initial_state=S0,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
-                     recompute_states=recompute_states, precise=precise)
+    N, L = _check_gain_shapes(k, g, omega, r, mu, b0, True, cu_seqlens)
+    o, S, bT = _IsotropicKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, b0, None if S0 is None else S0.float(),
+                                   float(scale), output_final_state, cu_seqlens, N, L, check,
+                                   bool(recompute_states), segment_size, precise)
     return o, (S, bT)
 
 

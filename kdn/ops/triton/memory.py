@@ -75,6 +75,40 @@ def _asym_intra_fwd(
     return w, u, qg, kg, Aqk, Akk
 
 
+def _asym_intra_bwd(
+    q: Tensor, k: Tensor, kappa: Tensor, gc: Tensor, beta: Tensor, dAqk: Tensor, dAkk: Tensor, dq: Tensor,
+    dk: Tensor, dkg: Tensor, db: Tensor, dg: Tensor, safe: bool, seqs: dict[str, Tensor | None], precise: bool,
+    dg_chunk_sums: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fla's ``chunk_precond_kda_bwd_intra``: the asymmetric intra-chunk backward, whose kernel adds the intra-chunk
+    terms to ``dq, dk, dkg`` (those of ``q, k, kappa``), ``db`` and the per-token ``dg``, then fla's reverse
+    cumulative sum of ``dg`` within each chunk (``gc`` is a chunk-local cumulative sum of ``g``), which makes it the
+    gradient of the raw ``g``. Returns ``(dq, dk, dkappa, db, dg)``: the first three in the inputs' dtypes, ``db``
+    and ``dg`` FP32 (``[B,T,H,K]``). ``dg_chunk_sums=False`` skips the sum, for a later pass that walks the tokens
+    anyway to take it on (the Diagonal gain's last backward launch): one FP32 ``[B,T,H,K]`` pass fewer each way."""
+    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.utils import IS_GATHER_SUPPORTED
+
+    C = ASYM_CHUNK
+    B, T, H, K = k.shape
+    BC, BK = 16, min(32, triton.next_power_of_2(K))  # fla's tiles (docs/performance.md, "Memory and WY")
+    NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
+    NK = triton.cdiv(K, BK)
+    dq2, dk2, dkappa2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(kappa)
+    db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
+    dg2 = torch.empty_like(dg, dtype=torch.float)
+    _precise(chunk_precond_kda_bwd_kernel_intra, precise)[(NK * (C // BC) * NT, B * H)](
+        q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dq2=dq2, dk=dk, dk2=dk2,
+        dk_precond=dkg, dk_precond2=dkappa2, dg=dg, dg2=dg2, db=db2, **seqs, B=B, T=T, H=H, K=K, BT=C, BC=BC, BK=BK,
+        NC=C // BC, SAFE_GATE=safe, GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
+    db = db2.sum(0).add_(db)
+    if dg_chunk_sums:
+        dg2 = chunk_local_cumsum(dg2, chunk_size=C, reverse=True, **seqs)
+    return dq2, dk2, dkappa2, db, dg2
+
+
 def _asym_memory_fwd(
     q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
     output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate, gc: Tensor | None = None,
@@ -111,13 +145,14 @@ def _asym_memory_fwd(
 
 def _asym_memory_bwd(
     saved: tuple[Tensor | None, ...], scale: float, safe: bool, do: Tensor, dS: Tensor | None, precise: bool = False,
+    dg_chunk_sums: bool = True,
 ) -> tuple[Tensor | None, ...]:
     """The asymmetric memory's backward launches from ``saved`` (:func:`_asym_memory_fwd`, of the same ``precise``)
     and the gradients of ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs'
-    dtypes, ``dg`` (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``)."""
+    dtypes, ``dg`` (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``).
+    ``dg_chunk_sums=False``: ``dg`` before its reverse cumulative sum within the chunks (:func:`_asym_intra_bwd`)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
-    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_intra
     from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
 
     from kdn.ops.triton.wy import chunk_asym_bwd_wy_dqkg
@@ -138,9 +173,8 @@ def _asym_memory_bwd(
     dq, dk, dkg, dv, dbeta, dg, dAkk = _precise(chunk_asym_bwd_wy_dqkg, precise)(
         q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
         scale=scale, chunk_size=C, **seqs)
-    dq, dk, dkappa, dbeta, dg = _precise(chunk_precond_kda_bwd_intra, precise)(
-        q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dk_precond=dkg,
-        db=dbeta, dg=dg, chunk_size=C, safe_gate=safe, **seqs)  # dg: of the raw g (reverse cumsum applied)
+    dq, dk, dkappa, dbeta, dg = _asym_intra_bwd(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, dbeta, dg, safe,
+                                                seqs, precise, dg_chunk_sums)
     return dq.to(q), dk.to(k), dkappa.to(kappa), dv.to(v), dg, dbeta, dS0
 
 
