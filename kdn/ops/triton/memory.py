@@ -2,7 +2,8 @@
 
 ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
 side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
-and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`). Both KDNs
+and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`), with the
+final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). Both KDNs
 run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
 so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
 
