@@ -237,3 +237,13 @@ def test_kda_gate_pass_matches_torch(device: str, request: pytest.FixtureRequest
     assert res.keys() == {"batch", "packed", "short"}
     for case, r in res.items():
         assert r.pop("nan_rows") == 1 and max(r.values()) < 1e-6, (case, r)
+
+
+def test_isotropic_gain_refuses_a_chunk_that_splits_its_tiles() -> None:
+    """The Isotropic gain sums the memory's dg over whole 32-row tiles: a chunk length that is not a multiple of
+    them is refused in one line before any launch."""
+    from kdn.ops.triton.gain_isotropic import _iso_gain_bwd
+
+    x = torch.randn(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="mem_dg_chunk must be a positive multiple of 32"):
+        _iso_gain_bwd((x,) * 9, x[..., 0], x[0, 0], 1, 4, False, None, (x, x, x), 48)

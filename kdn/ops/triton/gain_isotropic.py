@@ -286,6 +286,8 @@ def _iso_gain_bwd(
     ``g``, added in the last launch in FP32, ``dg_mem`` given before its reverse cumulative sums within chunks of
     ``mem_dg_chunk`` tokens, which that launch takes. ``dmu`` is ``None`` unless ``need_dmu``."""
     k, g, omega, r, mu, abar, n, carry, cu_seqlens = saved
+    if mem_grads is not None and (mem_dg_chunk <= 0 or mem_dg_chunk % _ISO_BT):
+        raise ValueError(f"mem_dg_chunk must be a positive multiple of {_ISO_BT} (the gain's tile), got {mem_dg_chunk}")
     H, K = k.shape[2:]
     SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=segment_size)
     dbeta = dbeta.contiguous()
