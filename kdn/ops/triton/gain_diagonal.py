@@ -400,7 +400,8 @@ def _diag_gain_bwd(
     _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
     _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da, db,
                                        dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
-                                       ACCUMULATE=mem_grads is not None, GATE=gate, DG_CHUNK=mem_dg_chunk, **tiles,
+                                       ACCUMULATE=mem_grads is not None, GATE=gate,
+                                       DG_CHUNK=mem_dg_chunk if mem_grads is not None else 0, **tiles,
                                        **act)
     dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
     return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0, dgate

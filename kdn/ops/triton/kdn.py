@@ -9,11 +9,11 @@
   ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` at chunk 16 or 32.
 - :func:`chunk_isotropic_kdn`: the fused Isotropic gain (:mod:`kdn.ops.triton.gain_isotropic`) + KDA's rule with
   ``beta`` the KDN gain (the asymmetric memory with ``kappa = k``), one autograd node (:class:`_IsotropicKDN`).
+- :func:`chunk_kda`: KDA's rule through the same memory, as the KDA baseline runs it.
 
 Both nodes' gains take on, in their last backward launch, the memory's chunk-local reverse sums of ``dg`` and the sums
 of the memory's and the gain's gradients of ``k`` and ``g`` (docs/performance.md, "Gradient sums in the gains' last
 launch").
-- :func:`chunk_kda`: KDA's rule through the same memory, as the KDA baseline runs it.
 
 One calling convention (as :func:`kdn.ops.api.diagonal_kdn`): tensors ``q, k, v, g, ...`` first, settings as keywords.
 ``precision`` (:func:`kdn.ops.validate.check_precision`): ``"bf16"`` runs the memory in the inputs' dtype (bf16 from

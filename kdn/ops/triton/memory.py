@@ -86,7 +86,7 @@ def _asym_intra_bwd(
     cumulative sum of ``dg`` within each chunk (``gc`` is a chunk-local cumulative sum of ``g``), which makes it the
     gradient of the raw ``g``. Returns ``(dq, dk, dkappa, db, dg)``: the first three in the inputs' dtypes, ``db``
     and ``dg`` FP32 (``[B,T,H,K]``). ``dg_chunk_sums=False`` skips the sum, for a later pass that walks the tokens
-    anyway to take it on (the Diagonal gain's last backward launch): one FP32 ``[B,T,H,K]`` pass fewer each way."""
+    anyway to take it on (both KDN gains' last backward launch): one FP32 ``[B,T,H,K]`` pass fewer each way."""
     from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
