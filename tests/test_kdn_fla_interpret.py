@@ -246,4 +246,4 @@ def test_isotropic_gain_refuses_a_chunk_that_splits_its_tiles() -> None:
 
     x = torch.randn(1, 4, 1, 8)
     with pytest.raises(ValueError, match="mem_dg_chunk must be a positive multiple of 32"):
-        _iso_gain_bwd((x,) * 9, x[..., 0], x[0, 0], 1, 4, False, None, (x, x, x), 48)
+        _iso_gain_bwd((x,) * 9 + (None,), x[..., 0], x[0, 0], 1, 4, False, None, (x, x, x), 48)

@@ -109,8 +109,10 @@ print(json.dumps({"errors": out, "segments": segments}))
 
 def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool, H: int, K: int,
                  device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 gate: bool = False, segment_size: int | None = None) -> dict[str, dict[str, float]]:
-    """``chunk_diagonal_kdn`` (``memory="asym"``: the gain and the memory one autograd node), ``q, k, v``
+                 gate: bool = False, segment_size: int | None = None,
+                 iso: bool = False) -> dict[str, dict[str, float]]:
+    """``chunk_diagonal_kdn`` (``memory="asym"``: the gain and the memory one autograd node), or with ``iso``
+    ``chunk_isotropic_kdn`` (``omega`` after its softplus; the same key on both sides of the memory), ``q, k, v``
     in ``dtype``, ``mu`` and ``S0`` leaves, padded (``lens`` None) or packed; ``softplus``: ``omega`` before its
     softplus; ``gate``: ``g`` is the input of KDA's gate, applied in the kernels (``A_log`` and ``dt_bias`` leaves).
     Relative distances of its output, final states and every gradient to the float64 PyTorch backend (``ref``), to
@@ -127,11 +129,11 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     names = ("q", "k", "v", "g", "omega", "r")
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=device)
     N = B if lens is None else len(lens)
-    x = make_inputs(B, T, H, K, K, seed=T, g_min=g_min)
+    x = make_inputs(B, T, H, K, K, seed=T, g_min=g_min, isotropic=iso)
     if softplus:  # omega's input: both signs, some far below 0
         x["omega"] = torch.randn(x["omega"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
         x["omega"][:, :5] -= 20.0
-    x["S0"], x["u0"] = make_state(N, H, K, K, isotropic=False)
+    x["S0"], x["u0"] = make_state(N, H, K, K, isotropic=iso)
     x["mu"] = torch.tensor([3.0, float(K)] * (H // 2), dtype=torch.float64)
     if gate:  # the gate's input f; exp(A_log) from 1 to -g_min, so that some tokens forget strongly
         gen = torch.Generator().manual_seed(5)
@@ -142,25 +144,32 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     def unfused(lv: dict[str, torch.Tensor], drop: bool) -> tuple[torch.Tensor, ...]:
         g = kda_gate(lv["g"], lv["A_log"], lv["dt_bias"]) if gate else lv["g"]
         check = safe_gate(g)
-        kappa, pT = kt.diagonal_gain(lv["k"], g, *(lv[n] for n in ("omega", "r", "mu", "u0")), dtype,
-                                     cu_seqlens=cu, omega_softplus=softplus, segment_size=segment_size)
+        terms = (lv[n] for n in ("omega", "r", "mu", "u0"))
+        if iso:
+            beta, pT = kt.isotropic_gain(lv["k"], g, *terms, dtype, cu_seqlens=cu, segment_size=segment_size)
+        else:
+            kappa, pT = kt.diagonal_gain(lv["k"], g, *terms, dtype, cu_seqlens=cu, omega_softplus=softplus,
+                                         segment_size=segment_size)
         k, g = (lv["k"].detach(), g.detach()) if drop else (lv["k"], g)
-        o, S = _AsymmetricMemory.apply(lv["q"], k, kappa, lv["v"], g, None, lv["S0"], 0.37, True, cu, check, False)
+        # Isotropic: the memory's key k on both sides, beta the gain (its gradient of k reaches the gain's too)
+        kappa, beta = (k, beta) if iso else (kappa, None)
+        o, S = _AsymmetricMemory.apply(lv["q"], k, kappa, lv["v"], g, beta, lv["S0"], 0.37, True, cu, check, False)
         return o, S, pT
 
     def run(kind: str) -> dict[str, torch.Tensor]:
         ref = kind == "ref"
         dts = {n: torch.float64 if ref else dtype if n in "qkv" else torch.float32 for n in x}
         lv = {n: t.detach().to(device, dts[n]).requires_grad_() for n, t in x.items()}  # fresh leaves
-        kw = {"scale": 0.37, "cu_seqlens": cu, "omega_softplus": softplus}
+        kw = {"scale": 0.37, "cu_seqlens": cu} | ({} if iso else {"omega_softplus": softplus})
         if gate:
             kw["gate"] = (lv["A_log"], lv["dt_bias"])
         if ref:
-            o, (S, uT) = kdn.diagonal_kdn(*(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]),
-                                          output_final_state=True, backend="torch", **kw)
+            o, (S, uT) = (kdn.isotropic_kdn if iso else kdn.diagonal_kdn)(
+                *(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]), output_final_state=True,
+                backend="torch", **kw)
         elif kind == "fused":
-            o, (S, uT) = kt.chunk_diagonal_kdn(*(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]),
-                                               segment_size=segment_size, **kw)
+            o, (S, uT) = (kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn)(
+                *(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), segment_size=segment_size, **kw)
         else:
             o, S, uT = unfused(lv, kind == "dropped")
         gen = torch.Generator(device=device).manual_seed(0)
@@ -179,12 +188,14 @@ sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 from test_kdn_triton_interpret import fused_errors
-cases = {  # name: (lengths of packed sequences or None, B, T, g_min, omega before its softplus[, KDA's gate inside])
-    "padded": (None, 2, 77, -3.0, True),  # a full chunk of 64 and a partial one
-    "packed": ((20, 64, 5), 1, 89, -12.0, False, "gate"),  # short sequences and a full chunk, fla's token loop
+cases = {  # name: (lengths of packed sequences or None, B, T, g_min, omega before its softplus, KDA's gate inside)
+    "padded": (None, 2, 77, -3.0, True, False),  # a full chunk of 64 and a partial one
+    "packed": ((20, 64, 5), 1, 89, -12.0, False, True),  # short sequences and a full chunk, fla's token loop
 }
-# 24-token gain segments: several a sequence, the accumulate runs in each
-out = {name: fused_errors(*case[:5], H=2, K=16, gate=len(case) > 5, segment_size=24) for name, case in cases.items()}
+# gain segments of 24 (Diagonal) and 32 (Isotropic) tokens: several a sequence, the accumulate runs in each
+out = {name: fused_errors(*case[:5], H=2, K=16, gate=case[5], segment_size=24) for name, case in cases.items()}
+out |= {"iso_" + name: fused_errors(*case[:4], False, H=2, K=16, gate=case[5], segment_size=32, iso=True)
+        for name, case in cases.items()}
 print(json.dumps(out))
 """
 
@@ -225,19 +236,19 @@ def test_segment_rule() -> None:
         gain_segments(True, 2, 100, 24)
 
 
-def test_fused_diagonal_gain_and_memory_in_interpreter(interpreted: dict[str, dict]) -> None:
-    """The Diagonal gain and memory as one autograd node (the gain's last backward launch adds the memory's gradients
-    of ``k`` and ``g``, :func:`fused_errors`), FP32 with ``S0``: padded (``omega`` before its softplus, fla's
-    tensor-core diagonal blocks) and packed (strong forgetting: fla's token loop; KDA's gate applied in the kernels),
-    24-token gain segments. Every output and gradient (``mu``, ``S0``, ``p0``, the gate's ``A_log`` and ``dt_bias``
+def test_fused_gain_and_memory_in_interpreter(interpreted: dict[str, dict]) -> None:
+    """Each KDN's gain and memory as one autograd node (the gain's last backward launch adds the memory's gradients
+    of ``k`` and ``g``, :func:`fused_errors`), FP32 with ``S0``: padded (Diagonal: ``omega`` before its softplus;
+    fla's tensor-core diagonal blocks) and packed (strong forgetting: fla's token loop; KDA's gate applied in the
+    kernels), gain segments of 24 (Diagonal) and 32 (Isotropic) tokens. Every output and gradient (``mu``, ``S0``, ``p0``, the gate's ``A_log`` and ``dt_bias``
     included) matches the float64 reference and equals the unfused composition (to FP32 rounding where the gate runs
     in other kernels); with the memory's gradients of ``k``
     and ``g`` cut, exactly ``dk`` and ``dg`` differ (and, through the gate, those of its parameters)."""
     pytest.importorskip("fla")
     report = triton_interpret.result(interpreted, "fused")
-    assert report.keys() == {"padded", "packed"}
+    assert report.keys() == {"padded", "packed", "iso_padded", "iso_packed"}
     for case, r in report.items():
-        gated = {"dA_log", "ddt_bias"} if case == "packed" else set()
+        gated = {"dA_log", "ddt_bias"} if case.endswith("packed") else set()
         # dA_log sums dg g over every token and channel, terms of both signs: here |sum| is 1/34 of sum |terms| in one
         # head, so FP32's per-element errors (~4e-6 in dg) may grow tens of times (the tolerance allows a hundredfold)
         tol = {"dA_log": 5e-4}

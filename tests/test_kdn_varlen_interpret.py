@@ -189,12 +189,14 @@ for varlen, t_is_one, K in ((True, False, 128), (True, False, 64), (False, True,
     if K == 128:
         for kernel in ISO:
             bk = {"BK": BK} if kernel in (gi._iso_seg_fwd_kernel, gi._iso_gain_bwd_kernel) else {}
+            if kernel is gi._iso_gain_bwd_kernel:  # the memory's gradients summed in, and KDA's gate or not
+                bk |= {"ACCUMULATE": True, "DG_CHUNK": 64, "GATE": varlen}
             compile_for_sm90(kernel, {"H": 8, "K": K, "BT": tu._ISO_BT, "IS_VARLEN": varlen} | bk, varlen, t_is_one,
                              4)
             n += 1
-for varlen in (False, True):  # KDA's gate in one pass (the f_ptr of its input in fp32 here)
-    compile_for_sm90(_kda_gate_fwd_kernel, {"H": 8, "K": 128, "BT": 64, "BK": 128, "IS_VARLEN": varlen}, varlen,
-                     False, 1)
+for varlen, gate in ((False, True), (True, True), (False, False)):  # KDA's gate (or g given) in one pass
+    compile_for_sm90(_kda_gate_fwd_kernel, {"H": 8, "K": 128, "BT": 64, "BK": 128, "IS_VARLEN": varlen,
+                                            "GATE": gate}, varlen, False, 1)
     n += 1
 print(n)
 """
@@ -230,8 +232,9 @@ def test_packed_memory_in_interpreter_matches_reference(variant: str, interprete
 def test_gain_kernels_compile_for_hopper(tmp_path: Path) -> None:
     """The compiled path types loop-carried values strictly (the interpreter does not): every gain kernel compiles
     to an sm_90 cubin on the CPU (Triton's bundled ptxas), packed and batched, bf16, with ``T = 1`` specialized, the
-    last backward launch with KDA's gate and without; and the one-pass gate (``kdn.ops.triton.gate``), both ways."""
-    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "28"
+    last backward launches with KDA's gate and without; and the one-pass gate (``kdn.ops.triton.gate``) packed and
+    not, and on a given ``g``."""
+    assert triton_interpret.compile_for_hopper(COMPILE, tmp_path).split()[-1] == "29"
 
 
 @pytest.mark.gpu

@@ -125,9 +125,9 @@ class _KalmanDelta(nn.Module):
                                     last["conv"] if last else None, cu_seqlens, use_cache, static=static)
         q, k, v = p["q"], p["k"], p["v"]
         decoding = T == 1 and last is not None and cu_seqlens is None
-        # the Diagonal CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;
+        # the KDN CUDA kernels apply KDA's gate themselves (kdn.diagonal_kdn's gate): g is then its input f;
         # without the fused kernels (fused=False) the front end's PyTorch gate makes g
-        plain = self.isotropic or decoding or mask is not None or output_beta_eff or not self.fused
+        plain = decoding or mask is not None or output_beta_eff or not self.fused
         kda = None if plain else self.front.gate_input(p)
         g = kda[0] if kda is not None else self.front.log_retention(p)
         logits = self.noise != "fixed_r_omega"  # omega's softplus runs inside the Diagonal CUDA gain kernels

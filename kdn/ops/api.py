@@ -159,8 +159,9 @@ def _run(
         check_values(values, nonpositive=() if gate is not None else ("g",),
                      nonnegative=() if omega_softplus else ("omega",), positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
-    # the Diagonal Triton gain and asymmetric memory apply KDA's gate themselves; every other route gets g
-    fused_gate = gate is not None and backend == "triton" and not isotropic and memory == "asym"
+    # both Triton gains on the asymmetric memory (Isotropic KDN's only one) apply KDA's gate themselves; every other
+    # route gets g
+    fused_gate = gate is not None and backend == "triton" and memory == "asym"
     if gate is not None and not fused_gate:
         g = kda_gate(g, *gate)
     # the Diagonal Triton gain applies omega's softplus itself (packed sequences too, unless they are unpacked
@@ -173,7 +174,8 @@ def _run(
         from kdn.ops.triton import kdn as _triton
 
         if isotropic:
-            run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states, precision=precision)
+            run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states, precision=precision,
+                          gate=gate if fused_gate else None)
         else:
             run = partial(_triton.chunk_diagonal_kdn, memory=memory, chunk_size=chunk_size,
                           recompute_states=recompute_states, omega_softplus=fused_softplus,
@@ -246,8 +248,8 @@ def diagonal_kdn(
             in FP32 and save a pass over ``[B,T,H,K]`` each way; other routes apply it first).
         gate: ``(A_log [H], dt_bias [H*K])``: ``g`` holds the input ``f`` of KDA's gate (any real values) and
             ``g = -exp(A_log) softplus(f + dt_bias)`` (:func:`kdn.ops.gate.kda_gate`, differentiable in both
-            parameters). The Diagonal CUDA kernels apply it in FP32 in one pass with the memory's chunk sums
-            (:mod:`kdn.ops.triton.gate`) and take its backward into the gain's (as fla's
+            parameters). The CUDA kernels of both KDNs (on the asymmetric memory) apply it in FP32 in one pass with
+            the memory's chunk sums (:mod:`kdn.ops.triton.gate`) and take its backward into the gain's (as fla's
             ``chunk_kda(use_gate_in_kernel=True)`` does for KDA); other routes apply it first.
         memory: the CUDA memory route, ``"asym"`` (fla's asymmetric chunk-64 kernels, the faster) or ``"dplr"``
             (fla's DPLR kernels); checked on every backend, used by ``"triton"``.

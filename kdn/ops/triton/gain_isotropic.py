@@ -29,6 +29,7 @@ from kdn.ops.triton.utils import (
     _seg_chunks,
     _segments,
     _sequence,
+    _softplus_grad,
 )
 
 
@@ -167,16 +168,18 @@ def _iso_seg_bwd_kernel(
 
 @triton.jit
 def _iso_gain_bwd_kernel(
-    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, abar_ptr, n_ptr, carry_ptr, seg_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
-    dk_mem_ptr, dkappa_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, cu_ptr, T, NS, SEGC,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DG_CHUNK: tl.constexpr,
+    k_ptr, g_ptr, w_ptr, r_ptr, mu_ptr, A_ptr, abar_ptr, n_ptr, carry_ptr, seg_ptr, dbeta_ptr, dbT_ptr, scratch_ptr,
+    dk_mem_ptr, dkappa_mem_ptr, dg_mem_ptr, dk_ptr, dg_ptr, dw_ptr, dr_ptr, dmu_ptr, db0_ptr, dA_ptr, dbias_ptr,
+    cu_ptr, T, NS, SEGC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACCUMULATE: tl.constexpr, DG_CHUNK: tl.constexpr, GATE: tl.constexpr,
 ):
     # one (sequence*head, segment): the later segments' adjoint maps give lambda at the segment's last token,
     # then its chunks, latest first; ACCUMULATE: dk adds the memory's gradients of the same k on both of its sides
     # (dk_mem, dkappa_mem [B,T,H,K]) and dg the memory's, dg_mem [B,T,H,K] holding per-token terms whose reverse
     # cumulative sums within chunks of DG_CHUNK tokens (a multiple of BT) are that gradient: a cumulative sum over
-    # the reversed rows plus a carry from the chunk's later tokens, started after the segment's end
+    # the reversed rows plus a carry from the chunk's later tokens, started after the segment's end; GATE: dg_ptr
+    # takes the gradient of KDA's gate input f (g = -exp(A_log) softplus(f + dt_bias)), and the program's partial
+    # sums of those of A_log and dt_bias go to dA [N*H, NS] and dbias [N*H, NS, K]
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -191,6 +194,9 @@ def _iso_gain_bwd_kernel(
         base = seg_ptr + (bh * NS + s_last - j) * 2
         lam = tl.load(base) * lam + tl.load(base + 1)
     dmu = tl.zeros([BT], tl.float32)
+    gA = tl.exp(tl.load(A_ptr + h).to(tl.float32)) if GATE else 1.0
+    dA = tl.zeros([BK], tl.float32)
+    dbias = tl.zeros([BK], tl.float32)
     sc = scratch_ptr + (bh * NS + s) * (4 * BT)
     one = tl.full([BT], 1.0, tl.float32)
     zero = tl.zeros([BT], tl.float32)
@@ -233,7 +239,8 @@ def _iso_gain_bwd_kernel(
         du = -lam_t * bhat * bhat * cc
         dn = -dbeta * bhat * bhat / (s_row * s_row) + du * mu / (K * r)
         kf = tl.load(k_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        a = tl.exp(2.0 * tl.load(g_ptr + idx, mask=m, other=0.0))
+        g = tl.load(g_ptr + idx, mask=m, other=0.0)
+        a = tl.exp(2.0 * g)
         dk = 2.0 * kf * dn[:, None]
         dg = (2.0 / K) * a * (b_prev * dbh)[:, None]
         if ACCUMULATE:
@@ -243,7 +250,11 @@ def _iso_gain_bwd_kernel(
             dg += tl.cumsum(dgm, axis=0) + dgc[None, :]
             dgc = tl.where(t0 % DG_CHUNK == 0, 0.0, dgc + tl.sum(dgm, axis=0))
         tl.store(dk_ptr + idx, dk.to(dk_ptr.dtype.element_ty), mask=m)
-        tl.store(dg_ptr + idx, dg, mask=m)
+        if GATE:  # dg/df = -gA sigmoid(f + dt_bias), the sigmoid from softplus(f + dt_bias) = -g / gA
+            dA += tl.sum(tl.where(m, dg * g, 0.0), axis=0)
+            dg = tl.where(m, -gA * dg * _softplus_grad(-g / gA), 0.0)
+            dbias += tl.sum(dg, axis=0)
+        tl.store(dg_ptr + idx, dg.to(dg_ptr.dtype.element_ty), mask=m)
         tl.store(dw_ptr + tok, dbh, mask=mt)
         tl.store(dr_ptr + tok, -dbeta * bhat / (s_row * s_row) - du * u / r, mask=mt)
         dmu += du * n / (K * r)
@@ -251,14 +262,19 @@ def _iso_gain_bwd_kernel(
     if s == 0:
         tl.store(db0_ptr + bh, lam)
     tl.store(dmu_ptr + bh * NS + s, tl.sum(dmu, axis=0))
+    if GATE:
+        tl.store(dA_ptr + bh * NS + s, tl.sum(dA, axis=0))
+        tl.store(dbias_ptr + (bh * NS + s) * K + offs_k, dbias, mask=mk)
 
 
 def _iso_gain_fwd(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, b0: Tensor, out_dtype: torch.dtype,
-    cu_seqlens: Tensor | None, N: int, L: int, segment_size: int | None,
+    cu_seqlens: Tensor | None, N: int, L: int, segment_size: int | None, A_log: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor | None, ...]]:
     """The Isotropic gain's forward launches: ``((beta, b_T), saved)``, ``saved`` what :func:`_iso_gain_bwd` takes
-    (``k``, FP32 gates, the per-token ``abar`` and ``||k||^2``, the chunks' carries, ``cu_seqlens``)."""
+    (``k``, FP32 gates, the per-token ``abar`` and ``||k||^2``, the chunks' carries, ``cu_seqlens``, ``A_log``).
+    ``A_log [H]``: ``g`` is the output of KDA's gate with these ``A_log`` (:func:`kdn.ops.triton.gate.kda_gate_fwd`),
+    whose backward the gain's takes on."""
     B, T, H, K = k.shape
     k = k.contiguous()
     g, omega, r, mu, b0 = (x.float().contiguous() for x in (g, omega, r, mu, b0))
@@ -273,38 +289,46 @@ def _iso_gain_fwd(
                                      BK=triton.next_power_of_2(K), **tiles)
     _iso_gain_fwd_kernel[(N * H, NS)](omega, r, mu, b0, abar, n, seg, beta, carry, bT, cu_seqlens, L, NS, SEGC,
                                       **tiles)
-    return (beta, bT), (k, g, omega, r, mu, abar, n, carry, cu_seqlens)
+    A_log = None if A_log is None else A_log.detach().float().contiguous()
+    return (beta, bT), (k, g, omega, r, mu, abar, n, carry, cu_seqlens, A_log)
 
 
 def _iso_gain_bwd(
     saved: tuple[Tensor | None, ...], dbeta: Tensor, dbT: Tensor, N: int, L: int, need_dmu: bool,
     segment_size: int | None, mem_grads: tuple[Tensor, Tensor, Tensor] | None = None, mem_dg_chunk: int = 0,
+    f_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor | None, ...]:
     """The Isotropic gain's backward launches: ``(dk, dg, domega, dr, dmu, db0)`` from ``saved``
     (:func:`_iso_gain_fwd`) and the gradients of ``beta`` (any float dtype) and ``b_T``. ``mem_grads = (dk_mem,
     dkappa_mem, dg_mem)``, ``[B,T,H,K]`` each: the memory's gradients of the same ``k`` (read and write key) and
     ``g``, added in the last launch in FP32, ``dg_mem`` given before its reverse cumulative sums within chunks of
-    ``mem_dg_chunk`` tokens, which that launch takes. ``dmu`` is ``None`` unless ``need_dmu``."""
-    k, g, omega, r, mu, abar, n, carry, cu_seqlens = saved
+    ``mem_dg_chunk`` tokens, which that launch takes. ``dmu`` is ``None`` unless ``need_dmu``. When ``g`` came from
+    KDA's gate (``A_log`` saved), ``dg`` is that of the gate's input ``f`` (in ``f_dtype``) and a seventh output
+    ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32) follows; ``None`` otherwise."""
+    k, g, omega, r, mu, abar, n, carry, cu_seqlens, A_log = saved
+    gate = A_log is not None
     if mem_grads is not None and (mem_dg_chunk <= 0 or mem_dg_chunk % _ISO_BT):
         raise ValueError(f"mem_dg_chunk must be a positive multiple of {_ISO_BT} (the gain's tile), got {mem_dg_chunk}")
     H, K = k.shape[2:]
     SEGC, NS = _segments(N * H, L, _ISO_BT, segment_size=segment_size)
     dbeta = dbeta.contiguous()
     dk_mem, dkappa_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dbeta,) * 3
-    dk, dg = torch.empty_like(k), torch.empty_like(g)
+    dk, dg = torch.empty_like(k), torch.empty_like(g, dtype=f_dtype if gate else g.dtype)
     dw, dr = torch.empty_like(omega), torch.empty_like(r)
     db0 = torch.empty(N, H, device=k.device, dtype=torch.float32)
     dmu = torch.empty(N, H, NS, device=k.device, dtype=torch.float32)
     seg = torch.empty(N * H, NS, 2, device=k.device, dtype=torch.float32)
     scratch = torch.empty(N * H * NS * 4 * _ISO_BT, device=k.device, dtype=torch.float32)
+    dA, dbias = (seg.new_empty(N, H, NS), seg.new_empty(N, H, NS, K)) if gate else (dmu, dmu)
     tiles = {"H": H, "K": K, "BT": _ISO_BT, "IS_VARLEN": cu_seqlens is not None}
     _iso_seg_bwd_kernel[(N * H, NS)](omega, r, mu, abar, n, carry, dbeta, seg, cu_seqlens, L, NS, SEGC, **tiles)
-    _iso_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, abar, n, carry, seg, dbeta, dbT.float().contiguous(),
-                                      scratch, dk_mem, dkappa_mem, dg_mem, dk, dg, dw, dr, dmu, db0, cu_seqlens, L,
-                                      NS, SEGC, BK=triton.next_power_of_2(K), ACCUMULATE=mem_grads is not None,
-                                      DG_CHUNK=mem_dg_chunk if mem_grads is not None else _ISO_BT, **tiles)
-    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, db0
+    _iso_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, abar, n, carry, seg, dbeta,
+                                      dbT.float().contiguous(), scratch, dk_mem, dkappa_mem, dg_mem, dk, dg, dw, dr,
+                                      dmu, db0, dA, dbias, cu_seqlens, L, NS, SEGC, BK=triton.next_power_of_2(K),
+                                      ACCUMULATE=mem_grads is not None,
+                                      DG_CHUNK=mem_dg_chunk if mem_grads is not None else _ISO_BT, GATE=gate, **tiles)
+    dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
+    return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, db0, dgate
 
 
 class _IsotropicGain(torch.autograd.Function):
@@ -327,7 +351,7 @@ class _IsotropicGain(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dbeta: Tensor, dbT: Tensor) -> tuple[Tensor | None, ...]:
         grads = _iso_gain_bwd(ctx.saved_tensors, dbeta, dbT, *ctx.seqs, ctx.needs_input_grad[4], ctx.segment_size)
-        return *grads, None, None, None, None, None
+        return *grads[:-1], None, None, None, None, None
 
 
 def isotropic_gain(

@@ -1,19 +1,17 @@
-"""KDN and KDA on CUDA: the Diagonal gain and asymmetric memory as one autograd node, and the entry points.
+"""KDN and KDA on CUDA: each KDN's gain and the asymmetric memory as one autograd node, and the entry points.
 
 - :func:`chunk_diagonal_kdn`: the fused Diagonal gain (:mod:`kdn.ops.triton.gain_diagonal`) with one of two memories,
   chosen by ``memory``. ``"asym"`` (the default, the faster: docs/results.md): fla's asymmetric chunk-64 kernels
-  (:mod:`kdn.ops.triton.memory`), gain and memory one autograd node (:class:`_DiagonalKDN`) whose gain's last
-  backward launch adds the memory's gradients of ``k`` and ``g`` to its own, sparing autograd two ``[B,T,H,K]``
-  sums; given KDA's gate input (``gate=``) the node makes ``g``, the memory's chunk sums and the safe-gate check in
-  one pass (:mod:`kdn.ops.triton.gate`), and the same launch takes ``dg`` through the gate. ``"dplr"``: fla's
+  (:mod:`kdn.ops.triton.memory`), gain and memory one autograd node (:class:`_DiagonalKDN`). ``"dplr"``: fla's
   ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` at chunk 16 or 32.
 - :func:`chunk_isotropic_kdn`: the fused Isotropic gain (:mod:`kdn.ops.triton.gain_isotropic`) + KDA's rule with
   ``beta`` the KDN gain (the asymmetric memory with ``kappa = k``), one autograd node (:class:`_IsotropicKDN`).
 - :func:`chunk_kda`: KDA's rule through the same memory, as the KDA baseline runs it.
 
-Both nodes' gains take on, in their last backward launch, the memory's chunk-local reverse sums of ``dg`` and the sums
-of the memory's and the gain's gradients of ``k`` and ``g`` (docs/performance.md, "Gradient sums in the gains' last
-launch").
+Both nodes start with one pass over ``g`` (:mod:`kdn.ops.triton.gate`) that makes the memory's chunk sums and the
+safe-gate check and, given KDA's gate input (``gate=``), ``g`` itself. Their gains take on, in their last backward
+launch, the memory's chunk-local reverse sums of ``dg``, the sums of the memory's and the gain's gradients of ``k``
+and ``g`` (docs/performance.md, "Gradient sums in the gains' last launch") and, with ``gate=``, the gate's backward.
 
 One calling convention (as :func:`kdn.ops.api.diagonal_kdn`): tensors ``q, k, v, g, ...`` first, settings as keywords.
 ``precision`` (:func:`kdn.ops.validate.check_precision`): ``"bf16"`` runs the memory in the inputs' dtype (bf16 from
@@ -28,7 +26,7 @@ from torch import Tensor
 from kdn.ops.gate import kda_gate
 from kdn.ops.triton.gain_diagonal import _diag_gain_bwd, _diag_gain_fwd, diagonal_gain_dplr
 from kdn.ops.triton.gain_isotropic import _iso_gain_bwd, _iso_gain_fwd
-from kdn.ops.triton.gate import kda_gate_fwd
+from kdn.ops.triton.gate import chunk_sums_steepest, kda_gate_fwd
 from kdn.ops.triton.memory import _asym_memory_bwd, _asym_memory_fwd, _AsymmetricMemory
 from kdn.ops.triton.safe_gate import SafeGate, safe_gate, safe_steepest
 from kdn.ops.triton.utils import _check_gain_shapes, _mem_dtype
@@ -42,25 +40,20 @@ class _DiagonalKDN(torch.autograd.Function):
     sums) and, with KDA's gate in the kernels, takes them through the gate.
 
     ``q, v`` in the memory's dtype (``kappa``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest
-    as :func:`chunk_diagonal_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`,
-    ``check`` :func:`kdn.ops.triton.safe_gate.safe_gate`).
-    With ``A_log, dt_bias``, ``g`` is the input of KDA's gate: one pass makes the gate's output, its chunk sums and
-    the check (:func:`kdn.ops.triton.gate.kda_gate_fwd`; ``check`` is then ``None``).
+    as :func:`chunk_diagonal_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`).
+    One pass over ``g`` makes the memory's chunk sums and the safe-gate check (:mod:`kdn.ops.triton.gate`); with
+    ``A_log, dt_bias``, ``g`` is the input of KDA's gate, whose output that pass makes too.
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
         r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
-        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, check: SafeGate | None,
-        recompute_states: bool, segment_size: int | None, A_log: Tensor | None, dt_bias: Tensor | None,
-        precise: bool = False,
+        cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, recompute_states: bool,
+        segment_size: int | None, A_log: Tensor | None, dt_bias: Tensor | None, precise: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        gc = None
         ctx.f_dtype = g.dtype
-        if A_log is not None:
-            g, gc, steep = kda_gate_fwd(g, A_log, dt_bias, cu_seqlens)
-            check = safe_steepest(steep)  # read after the gain's kernels are queued
+        g, gc, check = _gate_pass(g, A_log, dt_bias, cu_seqlens)
         (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus,
                                            A_log, segment_size)
         o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
@@ -83,8 +76,7 @@ class _DiagonalKDN(torch.autograd.Function):
                                                          ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
                                                          ctx.f_dtype, ctx.segment_size, ASYM_CHUNK)
         dA, dbias = dgate if dgate is not None else (None, None)
-        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 9, dA, dbias, None
-
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 8, dA, dbias, None
 
 
 class _IsotropicKDN(torch.autograd.Function):
@@ -94,21 +86,24 @@ class _IsotropicKDN(torch.autograd.Function):
     the memory's chunk-local sums of ``dg``: no separate ``[B,T,H,K]`` sums. The gain receives ``dbeta`` in FP32.
 
     ``q, v`` in the memory's dtype (``beta``'s too; the memory reads ``k`` in it), ``k`` any float dtype, the rest as
-    :func:`chunk_isotropic_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`,
-    ``check`` :func:`kdn.ops.triton.safe_gate.safe_gate`).
+    :func:`chunk_isotropic_kdn` (``S0`` FP32 or ``None``, ``N, L`` from :func:`kdn.ops.triton.utils._sequences`).
+    ``g`` and ``A_log, dt_bias`` as in :class:`_DiagonalKDN`: KDA's gate, when given, runs in the first pass and its
+    backward in the gain's last launch.
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor,
         r: Tensor, mu: Tensor, b0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
-        cu_seqlens: Tensor | None, N: int, L: int, check: SafeGate, recompute_states: bool,
-        segment_size: int | None, precise: bool,
+        cu_seqlens: Tensor | None, N: int, L: int, recompute_states: bool, segment_size: int | None,
+        A_log: Tensor | None, dt_bias: Tensor | None, precise: bool,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        (beta, bT), gain = _iso_gain_fwd(k, g, omega, r, mu, b0, q.dtype, cu_seqlens, N, L, segment_size)
+        ctx.f_dtype = g.dtype
+        g, gc, check = _gate_pass(g, A_log, dt_bias, cu_seqlens)
+        (beta, bT), gain = _iso_gain_fwd(k, g, omega, r, mu, b0, q.dtype, cu_seqlens, N, L, segment_size, A_log)
         km = k.to(q.dtype)
         o, S, mem, ctx.safe = _asym_memory_fwd(q, km, km, v, g, beta, S0, scale, output_final_state, cu_seqlens,
-                                               check, None, recompute_states, precise)
+                                               check, gc, recompute_states, precise)
         ctx.save_for_backward(*gain, *mem)
         ctx.precise, ctx.n_gain, ctx.seqs, ctx.scale = precise, len(gain), (N, L), scale
         ctx.segment_size = segment_size
@@ -121,9 +116,24 @@ class _IsotropicKDN(torch.autograd.Function):
         saved, n = ctx.saved_tensors, ctx.n_gain
         dq, dk_mem, dkappa_mem, dv, dg_mem, dbeta, dS0 = _asym_memory_bwd(saved[n:], ctx.scale, ctx.safe, do, dS,
                                                                           ctx.precise, dg_chunk_sums=False)
-        dk, dg, dw, dr, dmu, db0 = _iso_gain_bwd(saved[:n], dbeta, dbT, *ctx.seqs, ctx.needs_input_grad[6],
-                                                 ctx.segment_size, (dk_mem, dkappa_mem, dg_mem), ASYM_CHUNK)
-        return dq, dk, dv, dg, dw, dr, dmu, db0, dS0, *(None,) * 9
+        dk, dg, dw, dr, dmu, db0, dgate = _iso_gain_bwd(saved[:n], dbeta, dbT, *ctx.seqs, ctx.needs_input_grad[6],
+                                                        ctx.segment_size, (dk_mem, dkappa_mem, dg_mem), ASYM_CHUNK,
+                                                        ctx.f_dtype)
+        dA, dbias = dgate if dgate is not None else (None, None)
+        return dq, dk, dv, dg, dw, dr, dmu, db0, dS0, *(None,) * 7, dA, dbias, None
+
+
+def _gate_pass(
+    g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, cu_seqlens: Tensor | None
+) -> tuple[Tensor, Tensor, SafeGate]:
+    """One pass over ``g [B,T,H,K]`` (:mod:`kdn.ops.triton.gate`): ``(g, gc, check)``, the log-retention (KDA's gate
+    applied when ``A_log, dt_bias`` are given, else ``g`` as it came), its chunk sums for the memory and the
+    safe-gate check, to be read after the gain's kernels are queued."""
+    if A_log is not None:
+        g, gc, steep = kda_gate_fwd(g, A_log, dt_bias, cu_seqlens)
+    else:
+        gc, steep = chunk_sums_steepest(g, cu_seqlens)
+    return g, gc, safe_steepest(steep)
 
 
 def chunk_diagonal_kdn(
@@ -163,10 +173,9 @@ def chunk_diagonal_kdn(
     S0, p0 = initial_state
     dt = torch.float32 if precise else _mem_dtype(v)
     if memory == "asym":
-        check = None if gate is not None else safe_gate(g)  # read after the gain's kernels are queued
         N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
         o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
-                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus, check,
+                                      float(scale), output_final_state, cu_seqlens, N, L, omega_softplus,
                                       bool(recompute_states), segment_size,
                                       *(gate if gate is not None else (None, None)), precise)
         return o, (S, pT)
@@ -187,8 +196,8 @@ def chunk_diagonal_kdn(
 def chunk_isotropic_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
-    cu_seqlens: Tensor | None = None, recompute_states: bool = False, segment_size: int | None = None,
-    precision: str = "bf16",
+    cu_seqlens: Tensor | None = None, gate: tuple[Tensor, Tensor] | None = None, recompute_states: bool = False,
+    segment_size: int | None = None, precision: str = "bf16",
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Isotropic KDN on CUDA (docs/math.md §4, §6): the fused Triton gain + KDA's rule with ``beta`` = the KDN gain
     (:func:`chunk_kda`: the asymmetric memory with ``kappa = k``, whose kernels train faster than fla's ``chunk_kda``;
@@ -197,7 +206,7 @@ def chunk_isotropic_kdn(
     Args:
         q, k, g: ``[B,T,H,K]``; ``v``: ``[B,T,H,V]``; ``omega, r``: ``[B,T,H]``; ``mu``: ``[H]``.
         initial_state: ``(S0 [N,H,K,V] or None, b0 [N,H])``. Settings as in :func:`chunk_diagonal_kdn`
-            (``precision`` too).
+            (``gate`` and ``precision`` too).
 
     Returns:
         ``o [B,T,H,V]`` and ``(S_T, b_T)``.
@@ -205,11 +214,10 @@ def chunk_isotropic_kdn(
     S0, b0 = initial_state
     precise = check_precision(precision) == "fp32"
     dt = torch.float32 if precise else _mem_dtype(v)
-    check = safe_gate(g)  # read after the gain's kernels are queued
     N, L = _check_gain_shapes(k, g, omega, r, mu, b0, True, cu_seqlens)
     o, S, bT = _IsotropicKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, b0, None if S0 is None else S0.float(),
-                                   float(scale), output_final_state, cu_seqlens, N, L, check,
-                                   bool(recompute_states), segment_size, precise)
+                                   float(scale), output_final_state, cu_seqlens, N, L, bool(recompute_states),
+                                   segment_size, *(gate if gate is not None else (None, None)), precise)
     return o, (S, bT)
 
 
