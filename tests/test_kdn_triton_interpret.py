@@ -240,10 +240,10 @@ def test_fused_gain_and_memory_in_interpreter(interpreted: dict[str, dict]) -> N
     """Each KDN's gain and memory as one autograd node (the gain's last backward launch adds the memory's gradients
     of ``k`` and ``g``, :func:`fused_errors`), FP32 with ``S0``: padded (Diagonal: ``omega`` before its softplus;
     fla's tensor-core diagonal blocks) and packed (strong forgetting: fla's token loop; KDA's gate applied in the
-    kernels), gain segments of 24 (Diagonal) and 32 (Isotropic) tokens. Every output and gradient (``mu``, ``S0``, ``p0``, the gate's ``A_log`` and ``dt_bias``
-    included) matches the float64 reference and equals the unfused composition (to FP32 rounding where the gate runs
-    in other kernels); with the memory's gradients of ``k``
-    and ``g`` cut, exactly ``dk`` and ``dg`` differ (and, through the gate, those of its parameters)."""
+    kernels), gain segments of 24 (Diagonal) and 32 (Isotropic) tokens. Every output and gradient (``mu``, ``S0``,
+    ``p0``, the gate's ``A_log`` and ``dt_bias`` included) matches the float64 reference and equals the unfused
+    composition (to FP32 rounding where the gate runs in other kernels); with the memory's gradients of ``k`` and
+    ``g`` cut, exactly ``dk`` and ``dg`` differ (and, through the gate, those of its parameters)."""
     pytest.importorskip("fla")
     report = triton_interpret.result(interpreted, "fused")
     assert report.keys() == {"padded", "packed", "iso_padded", "iso_packed"}
