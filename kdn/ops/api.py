@@ -159,8 +159,8 @@ def _run(
         check_values(values, nonpositive=() if gate is not None else ("g",),
                      nonnegative=() if omega_softplus else ("omega",), positive=("r", "mu", "initial_state[1] (p/b)"))
     backend = _resolve_backend(backend, q.device, dt)
-    # both Triton gains on the asymmetric memory (Isotropic KDN's only one) apply KDA's gate themselves; every other
-    # route gets g
+    # both Triton KDNs apply KDA's gate themselves on the asymmetric memory (Isotropic KDN's only memory); every
+    # other route gets g
     fused_gate = gate is not None and backend == "triton" and memory == "asym"
     if gate is not None and not fused_gate:
         g = kda_gate(g, *gate)
