@@ -140,31 +140,88 @@ def test_a_planted_pickle_sets_the_checkpoint_aside_and_never_advises_an_unsafe_
     assert "planted pickle ran" not in capsys.readouterr().out
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
+class _FillingWriter:
+    """torch's archive writer on a disk that fills up: three records are written, the next write fails as torch
+    reports it (a RuntimeError, not an OSError)."""
+
+    def __init__(self, real: object, path: Path) -> None:
+        self.real, self.path, self.records = real, path, 0
+
+    def write_record(self, *args: object) -> None:
+        if self.records == 3:
+            assert self.path.is_file()  # the partial file is on the disk
+            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                               "data/1: file write failed")
+        self.records += 1
+        self.real.write_record(*args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def _fill_at_optimizer_bin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model file is written; the disk fills up halfway through ``optimizer.bin`` (torch's writer fails)."""
+    real_open = torch.serialization._open_zipfile_writer
+
+    def opener(f: object) -> object:
+        opened = real_open(f)
+        if str(f).endswith("optimizer.bin"):
+            opened.file_like = _FillingWriter(opened.file_like, Path(str(f)))
+        return opened
+
+    monkeypatch.setattr(torch.serialization, "_open_zipfile_writer", opener)
+
+
+def _fill_at_train_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate's files are written; the disk fills up at the fsync of ``train_state.json`` (an OSError)."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".train_state.json."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("fill", [_fill_at_optimizer_bin, _fill_at_train_state])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, acc: tuple[Accelerator, torch.nn.Module], monkeypatch: pytest.MonkeyPatch,
+        fill: object) -> None:
+    accelerator, model = acc
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep_last=1, token="t")
+    first = _save(ckpt, accelerator, model, 1)
+    kept = {n: p.read_bytes() for n, p in ((p.name, p) for p in first.iterdir())}
+    fill(monkeypatch)
+    with pytest.raises(CheckpointError) as err:
+        _save(ckpt, accelerator, model, 2)
+    monkeypatch.undo()
+    torch_said = " (or over quota; torch: PytorchStreamWriter failed writing file data/1: file write failed)" \
+        if fill is _fill_at_optimizer_bin else ""
+    assert str(err.value) == (
+        f"saving the checkpoint of step 2 failed: the disk is full at {ckpt.root}{torch_said}; the partial save is "
+        f"removed and the previous checkpoint {first} is intact; free space there, or move {tmp_path} to a disk "
+        "with room and pass run_dir=<its new path>, then rerun the command to resume")
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no torch traceback under it
+    assert sorted(p.name for p in ckpt.root.iterdir()) == [first.name]  # no temp directory left taking space
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == kept and verify(first) is None
+    assert ckpt.resume_point(accelerator) == first and ckpt.load(accelerator, first).step == 1
+    assert _save(ckpt, accelerator, model, 2).name == "step_000000002"  # space again: the save goes through
+
+
+def test_an_error_other_than_a_failed_write_is_not_called_a_full_disk(
         tmp_path: Path, acc: tuple[Accelerator, torch.nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
     accelerator, model = acc
     ckpt = Checkpointer(tmp_path, keep_last=1, token="t")
     first = _save(ckpt, accelerator, model, 1)
-    kept = {n: p.read_bytes() for n, p in ((p.name, p) for p in first.iterdir())}
-    real_save = torch.save
 
-    def full_disk(obj: object, f: object, *args: object, **kwargs: object) -> None:
-        if str(f).endswith("optimizer.bin"):  # the model file is written; the disk fills up halfway through this one
-            Path(str(f)).write_bytes(b"\x80" * 64)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-        real_save(obj, f, *args, **kwargs)
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError) as err:
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
         _save(ckpt, accelerator, model, 2)
-    assert str(err.value) == (
-        f"saving the checkpoint of step 2 under {tmp_path} failed (No space left on device); the previous checkpoint "
-        f"{first} is intact: free space there and rerun the command to resume")
-    monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no temp directory left taking space
-    assert {p.name: p.read_bytes() for p in first.iterdir()} == kept and verify(first) is None
-    assert ckpt.resume_point(accelerator) == first and ckpt.load(accelerator, first).step == 1
-    assert _save(ckpt, accelerator, model, 2).name == "step_000000002"  # space again: the save goes through
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # the temp directory is removed all the same
 
 
 def test_a_changed_schedule_is_refused_on_resume_and_a_finished_run_says_so(

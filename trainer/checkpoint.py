@@ -8,11 +8,14 @@ tokens seen, scheduler, the data loader's global cursor, the wandb run id) and, 
 A directory without a readable manifest is not a checkpoint. A resume verifies the newest checkpoint's
 manifest and that each of its pickles passes a weights-only load; one that fails is set aside as ``step_*.corrupt``
 with a warning naming the file, and the next newest intact one is used. Only the newest ``keep_last`` are kept,
-never deleting the one just written. A save that fails (a full disk) removes its temp directory and raises a
-one-line ``CheckpointError``; the checkpoints written before it are untouched.
+never deleting the one just written. A save that fails removes its temp directory; a failed write (a full disk or
+quota: an ``OSError``, or the ``RuntimeError`` torch's archive writer raises, e.g. "PytorchStreamWriter failed
+writing file data/0: file write failed") becomes a one-line ``CheckpointError``; the checkpoints written before it
+are untouched.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,6 +38,10 @@ MANIFEST = "manifest.json"
 RNG_FILE = "random_states_{}.pkl"  # accelerate's RNG states of one process
 _PICKLES = (".bin", ".pkl", ".pt")  # the files accelerate writes with torch.save
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# torch's archive writer (inline_container.cc) reports a failed write as a RuntimeError, not an OSError: a write that
+# fails ("file write failed") or, at the archive's end, a short file ("unexpected pos")
+_TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos")
+_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
 
 log = logging.getLogger("train")
 
@@ -79,6 +86,19 @@ def write_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
              for p, h in zip(paths, _sha256_all(paths))}
     write_json_atomic(ckpt_dir / MANIFEST, {"files": files})
     return files
+
+
+def _write_failure(e: BaseException, where: Path) -> str | None:
+    """What a failed write under ``where`` says in a few words (a full disk, a quota, torch's archive writer failing),
+    or ``None`` when ``e`` is no write failure."""
+    if isinstance(e, OSError):
+        what = _FULL.get(e.errno or 0)
+        return f"{what} at {where}" if what else f"writing under {where} failed ({e.strerror or e})"
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e)):
+        said = next((x.strip() for x in str(e).splitlines() if _TORCH_WRITE_FAILED.search(x)), "")
+        said = re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", said)  # the C++ source line means nothing here
+        return f"the disk is full at {where} (or over quota; torch: {said})"
+    return None
 
 
 def _refusal(e: Exception) -> str:
@@ -206,9 +226,9 @@ class Checkpointer:
         return Path(found[0]) if found[0] else None
 
     def save(self, accelerator: Accelerator, state: TrainState) -> Path:
-        """Collective: every process calls it. Returns the final directory. A write that fails (``OSError``: a full
-        disk, a quota) removes the temp directory and raises a one-line ``CheckpointError``; the checkpoints already
-        there stay as they were."""
+        """Collective: every process calls it. Returns the final directory. A save that fails removes the temp
+        directory; a failed write (a full disk, a quota, torch's writer) raises a one-line
+        ``CheckpointError``; the checkpoints already there stay as they were."""
         final = self.root / f"step_{state.step:09d}"
         tmp = self.root / f".tmp_step_{state.step:09d}.{self.token}"
         try:
@@ -223,13 +243,17 @@ class Checkpointer:
             if accelerator.is_main_process:
                 write_json_atomic(tmp / STATE_FILE, asdict(state))
                 write_manifest(tmp)  # last: a directory with a manifest is complete
-        except OSError as e:
+        except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took
+            problem = _write_failure(e, self.root)
+            if problem is None:
+                raise
             previous = self.latest()
             raise CheckpointError(
-                f"saving the checkpoint of step {state.step} under {self.root} failed ({e.strerror or e}); "
-                f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}: "
-                "free space there and rerun the command to resume") from None
+                f"saving the checkpoint of step {state.step} failed: {problem}; the partial save is removed and "
+                f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}; "
+                f"{'free space there' if problem.startswith('the disk') else 'fix that'}, or move {self.root.parent} "
+                "to a disk with room and pass run_dir=<its new path>, then rerun the command to resume") from None
         if accelerator.is_main_process:
             if final.exists():  # re-saving the step we resumed from: replace it whole
                 shutil.rmtree(final)
