@@ -13,7 +13,7 @@ from eval_fixtures import export_toy_run, oracle_from
 import evaluate
 from data import load_tokenizer
 from eval.harness import Unavailable
-from eval.tasks import Codec, build_docs
+from eval.tasks import VERSIONS, Codec, build_docs
 
 TOK = load_tokenizer("mistral-v1")
 CODEC = Codec(TOK.encode, TOK.encode, TOK.decode)
@@ -67,6 +67,8 @@ def retrieval_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("retrieval")
     for task in ("swde", "fda", "squad", "triviaqa", "nq", "drop"):
         rows = [_records(task, i) for i in range(3)]
+        if task in ("triviaqa", "drop"):  # no label to score: left out, not scored 0
+            rows.insert(1, _records(task, 9) | {"answers": []})
         (root / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -103,7 +105,7 @@ def test_suite_scores_100_for_the_right_answer_and_0_for_none(right: bool, run_d
     assert {r["score"] for r in rep["results"].values()} == {100.0 if right else 0.0}
     assert rep["summary"] == ({"mean": 100.0} if right else {})  # the mean needs all six tasks
     assert rep["settings"]["context_tokens"] == 2048 and rep["settings"]["max_new_tokens"] == 48
-    assert rep["settings"]["truncation"] == "jrt"
+    assert rep["settings"]["truncation"] == "jrt" and rep["settings"]["tasks"] == {t: VERSIONS[t] for t in tasks}
     lines = [json.loads(x) for x in (tmp_path / "retrieval.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * len(tasks) and {x["score"] for x in lines} == {1.0 if right else 0.0}
 

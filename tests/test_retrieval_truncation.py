@@ -64,6 +64,29 @@ def test_swde_windows_around_the_answer_on_both_sides() -> None:
     assert prompts("swde", [swde(text)], bos=True) == [span(ws, 66, 136) + ". Director:"]
 
 
+SUMMARY = "\nSummary of information above... director:"
+
+
+def test_swde_windows_its_whole_text_summary_block_included() -> None:
+    """The fork windows SWDE's whole text and drops the summary block only when it builds the prompt."""
+    # the key only in the summary line anchors there: 200 words + "\nSummary", " of", " information", " above...",
+    # " " before the match = token 205, window 170..205 (the block is cut off the prompt); the body alone would
+    # have had no match and given its tail, 165..200
+    ws = words(200)
+    assert prompts("swde", [swde(" ".join(ws) + SUMMARY, value="Zanzibar")]) == [span(ws, 170, 200) + ". Director:"]
+    # a body ending in "key:" and whitespace keeps that key: the window ends in the block, not in "director:"
+    body = "Title: Alien. Ridley directed it. director:  \n"
+    want = "Title: Alien. Ridley directed it. director:. Director:"
+    assert prompts("swde", [swde(body + SUMMARY.lstrip())]) == [want]
+    # an ordinary record whose window reaches into the block: anchor 191, window 156..205, the block dropped
+    ws = words(200, Ridley=190)
+    assert prompts("swde", [swde(" ".join(ws) + SUMMARY)]) == [span(ws, 156, 200) + ". Director:"]
+    # a window that ends inside the block keeps what it holds of it: anchor 168, window 133..202
+    ws = words(200, Ridley=167)
+    want = span(ws, 133, 200) + "\nSummary of information. Director:"
+    assert prompts("swde", [swde(" ".join(ws) + SUMMARY)]) == [want]
+
+
 def test_the_window_stops_at_the_document_end_without_sliding_back() -> None:
     ws = words(200, Ridley=190)  # anchor 191: start 156, end min(200, 226)
     # FDA strips newlines and periods only: the window's leading space stays
@@ -139,6 +162,40 @@ def test_nq_centres_on_its_first_answer_with_the_shorter_window() -> None:
     nq = {"context": " ".join(ws), "question": "Where?", "answers": ["Paris", "France"]}
     assert prompts("nq", [nq]) == [span(ws, 90, 112) + ". Where?"]
     assert prompts("nq", [nq | {"answers": ["P", "Paris"]}, nq | {"answers": []}]) == []
+
+
+def test_alt_answers_anchor_on_the_first_entry_that_matches() -> None:
+    """With no match of the answer field, the first matching ``alt_answers`` entry in list order anchors the window:
+    here Paris (word 150), not the last matching entry (Rome, word 100) nor the earliest in the text (Lyon, 40)."""
+    ws = words(200, Lyon=40, Rome=100, Paris=150, Zurich=180)
+    nq = {"context": " ".join(ws), "question": "Where?", "answers": ["Bern"],
+          "alt_answers": ["Geneva", "Paris", "Lyon", "Rome"]}
+    assert prompts("nq", [nq]) == [span(ws, 140, 162) + ". Where?"]  # anchor 151: start 140, 22 tokens
+    # a match of the answer field wins over every alternative: Zurich at word 180, anchor 181
+    assert prompts("nq", [nq | {"answers": ["Zurich"]}]) == [span(ws, 170, 192) + ". Where?"]
+    swde_rec = swde(" ".join(ws), "director", "Bern") | {"alt_answers": ["Oslo", "rome", "Paris"]}
+    assert prompts("swde", [swde_rec]) == [span(ws, 66, 136) + ". Director:"]  # Rome (any case): anchor 101
+
+
+def test_tok_pos_centres_a_long_document_without_a_match() -> None:
+    ws = words(200)
+    nq = {"context": " ".join(ws), "question": "Where?", "answers": ["Bern"], "tok_pos": 50}
+    assert prompts("nq", [nq]) == [span(ws, 39, 61) + ". Where?"]  # centre token 50, not the tail
+    # not when an answer matches, nor when the document's prefix fits the window (then its tail, 9..20)
+    assert prompts("nq", [nq | {"answers": ["w120"]}]) == [span(ws, 110, 132) + ". Where?"]
+    short = words(20)
+    assert prompts("nq", [nq | {"context": " ".join(short)}]) == [span(short, 9, 20) + ". Where?"]
+
+
+@pytest.mark.parametrize("task", ["triviaqa", "drop"])
+def test_records_without_a_label_are_dropped(task: str) -> None:
+    """An empty (or missing) answer list leaves nothing to score (the fork's scorer raises): the record is left
+    out, not kept and scored 0; an empty label is a label (it always matches)."""
+    ws = words(30)
+    recs = [{"context": " ".join(ws), "question": "Who?", "answers": answers} for answers in
+            ([], ["w3"], None, [""], ())]
+    docs = build_docs(task, recs, word_codec(), C)
+    assert [(d["index"], d["answers"]) for d in docs] == [(1, ["w3"]), (3, [""])]
 
 
 def test_the_question_counts_against_the_budget() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from eval.tasks import MAX_GEN_TOKENS, TASKS
+from eval.tasks import MAX_GEN_TOKENS, TASKS, VERSIONS
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 
@@ -29,6 +29,7 @@ def test_yaml_matches_the_task_definition(task: str) -> None:
     assert cfg["metric_list"] == [{"metric": "contains", "aggregation": "mean", "higher_is_better": True}]
     assert cfg["doc_to_text"] == "{{prompt}}" and cfg["doc_to_target"] == "{{answers[0]}}"
     assert cfg.get("num_fewshot", 0) == 0 and "filter_list" not in cfg
+    assert cfg["metadata"]["version"] == VERSIONS[task], "the results record the YAML's version as the definition's"
     loader, scorer = cfg["custom_dataset"], cfg["process_results"]
     assert loader.__name__ == f"load_{task}", f"kdn_{task}.yaml loads another task's documents"
     assert scorer.__name__ == "process_results"

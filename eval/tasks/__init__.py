@@ -6,6 +6,7 @@ from eval.tasks.utils import (
     MAX_GEN_TOKENS,
     TASKS,
     TRUNCATION,
+    VERSIONS,
     Codec,
     build_docs,
     contains,
@@ -17,5 +18,5 @@ from eval.tasks.utils import (
     window,
 )
 
-__all__ = ["ANSWER_ROOM", "CONTEXT_TOKENS", "HUB", "MAX_GEN_TOKENS", "TASKS", "TRUNCATION", "Codec", "build_docs",
-           "contains", "hf_codec", "keep_last", "load_records", "prompt_budget", "prompt_text", "window"]
+__all__ = ["ANSWER_ROOM", "CONTEXT_TOKENS", "HUB", "MAX_GEN_TOKENS", "TASKS", "TRUNCATION", "VERSIONS", "Codec",
+           "build_docs", "contains", "hf_codec", "keep_last", "load_records", "prompt_budget", "prompt_text", "window"]

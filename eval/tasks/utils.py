@@ -7,16 +7,19 @@ files with the same fields: ``<data_dir>/<task>.jsonl`` or ``.parquet`` (``data_
 Each record is cut and prompted as the JRT fork of lm-eval (HazyResearch/prefix-linear-attention) does it with
 ``--cutting_context`` (truncation ``"jrt"``, docs/protocol.md §9, "Table 3's truncation"):
 
-1. **Window.** Every record's document field (``text`` for SWDE, FDA, SQuAD; ``context`` for the others; SWDE:
-   the part before its summary line), stripped, is replaced by a window of ``cut - 50`` tokens (``cut`` =
-   ``context_tokens``; NQ: ``context_tokens - 48``), counted with the model's tokenizer as its default call encodes
-   (special tokens included). The window starts ``(cut - 50) // 2`` tokens before the anchor (not before the
-   document's start) and stops at the document's end. The anchor is the earliest case-insensitive match of the
-   task's answer fields (SWDE, FDA: ``key`` and ``value``; SQuAD: ``value``; NQ: the first of ``answers``); with no
+1. **Window.** Every record's document field (``text`` for SWDE, FDA, SQuAD; ``context`` for the others), stripped,
+   is replaced by a window of ``cut - 50`` tokens (``cut`` = ``context_tokens``; NQ: ``context_tokens - 48``),
+   counted with the model's tokenizer as its default call encodes (special tokens included). The window starts
+   ``(cut - 50) // 2`` tokens before the anchor (not before the document's start) and stops at the document's end.
+   The anchor is the earliest case-insensitive match of the task's answer fields (SWDE, FDA: ``key`` and ``value``;
+   SQuAD: ``value``; NQ: the first of ``answers``), else of the first ``alt_answers`` entry that matches; with no
    match, the end of the document (the window is its tail); TriviaQA and DROP have no answer field, so their anchor
-   is the start (the window is the head).
-2. **Drop.** A record whose answer field is empty or one character long is left out (SWDE, FDA, SQuAD, NQ).
-3. **Prompt.** The task's prompt is built from the cut record (``prompt_text``).
+   is the start (the window is the head). SWDE's whole ``text`` is windowed, its "Summary of information above..."
+   block included: the fork's loader cuts that block only on a copy it discards, so an anchor can lie in it.
+2. **Drop.** A record whose answer field is empty or one character long is left out (SWDE, FDA, SQuAD, NQ), and so
+   is a record with no label to score (an empty ``answers`` list), on which the fork's scorer raises.
+3. **Prompt.** The task's prompt is built from the cut record (``prompt_text``); SWDE's drops the summary block
+   from the window, when the window holds it.
 4. **Budget.** The prompt keeps its last ``context_tokens - 48`` tokens (without special tokens), which is what
    lm-eval's model does to a prompt longer than its window less the 48 generated tokens.
 
@@ -43,6 +46,9 @@ FIELDS = {"swde": ("text", "key", "value"), "fda": ("text", "key", "value"), "sq
 CUT = {"swde": ("text", ("key", "value")), "fda": ("text", ("key", "value")), "squad": ("text", ("value",)),
        "triviaqa": ("context", ()), "nq": ("context", ("answers",)), "drop": ("context", ())}
 TASKS = tuple(HUB)
+# each task's definition version, as its YAML's ``metadata.version`` records it in the results; SWDE's 2.0 windows
+# the whole text, summary block included (1.0 windowed only the part before it)
+VERSIONS = {"swde": 2.0, "fda": 1.0, "squad": 1.0, "triviaqa": 1.0, "nq": 1.0, "drop": 1.0}
 TRUNCATION = "jrt"  # the rule's name in the results' settings
 CONTEXT_TOKENS = 2048  # the fork's --context_length for the five tasks, and its model's window
 ANSWER_ROOM = 50  # the fork's --answer_length: tokens of the cut length the window leaves out
@@ -84,8 +90,9 @@ def _first_answer(value: Any) -> str:
 
 def anchor(task: str, record: dict[str, Any], document: str) -> int | None:
     """Character offset in ``document`` that centres the window: the earliest case-insensitive match of the
-    task's answer fields, then of ``alt_answers`` (when the record has them); ``-1`` when nothing matches; ``0``
-    for a task without answer fields; ``None`` when an answer field is empty or one character long (drop)."""
+    task's answer fields; failing that, the match of the first ``alt_answers`` entry (in list order, not the
+    earliest in the text) that matches; ``-1`` when nothing matches; ``0`` for a task without answer fields;
+    ``None`` when an answer field is empty or one character long (drop)."""
     fields = CUT[task][1]
     if not fields:
         return 0
@@ -162,10 +169,13 @@ def keep_last(prompt: str, budget: int, codec: Codec) -> str:
 
 
 def labels(task: str, record: dict[str, Any]) -> list[str]:
-    """The strings a continuation is scored against."""
+    """The strings a continuation is scored against; ``[]`` (the record is dropped) for an empty or missing
+    (``None``, as ``datasets`` fills a row without the field) answer list."""
     if task in ("swde", "fda", "squad"):
         return [str(record["value"])]
     answers = record["answers"]
+    if answers is None:
+        return []
     return [answers] if isinstance(answers, str) else [str(a) for a in answers]
 
 
@@ -186,8 +196,7 @@ def build_docs(task: str, records: list[dict[str, Any]], codec: Codec,
     docs = []
     for i, rec in enumerate(records):
         answers = labels(task, rec)
-        document = str(rec[field])
-        document = (document.split(_SWDE_SUMMARY)[0] if task == "swde" else document).strip()
+        document = str(rec[field]).strip()
         pos = anchor(task, rec, document)
         if pos is None or not answers:
             continue
