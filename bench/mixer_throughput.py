@@ -51,6 +51,7 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
     import fla.layers as fl
 
     import kdn
+    from models.layers.attention import Attention
     from models.layers.mamba3 import Mamba3
 
     makers: dict[str, Callable[[], nn.Module]] = {
@@ -63,6 +64,8 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
         "mamba3_siso": lambda: Mamba3(hidden_size=d, backend="kernels"),  # ours, on mamba-ssm's SISO kernel
         "mamba3_mimo": lambda: Mamba3(hidden_size=d, is_mimo=True, mimo_rank=4, backend="kernels"),  # TileLang
         "attn": lambda: CausalSDPA(d, H, K),
+        "attn_swa": lambda: Attention(d, H, K, window=2048),  # our layer: RoPE, block-sparse 2K window
+        "attn_full": lambda: Attention(d, H, K, window=None),  # our layer: RoPE, full causal (flash)
     }
     if name not in makers:
         raise ValueError(f"unknown mixer {name!r}; known: {sorted(makers)}")

@@ -51,12 +51,16 @@ def sync(device: torch.device) -> None:
 
 
 def measure(size: str, mixer: str, backbone: str, vocab: int, B: int, T: int, steps: int, rows: int,
-            device: torch.device, ffn_width: int | None = None, use_compile: bool = False) -> dict:
+            device: torch.device, ffn_width: int | None = None, use_compile: bool = False,
+            attention_backend: str = "auto") -> dict:
     """One mixer's row: timings, allocator figures and its top kernels (or CPU operators). ``ffn_width`` sets one
     SwiGLU width for every layer instead of the parameter-matched widths; ``use_compile`` runs the model through
-    ``torch.compile`` (inductor), as ``trainer.compile=true`` does (the warm-up steps hold the compilation)."""
+    ``torch.compile`` (inductor), as ``trainer.compile=true`` does (the warm-up steps hold the compilation);
+    ``attention_backend``: the attention layers' masked path (``models.KDNConfig``)."""
     torch.manual_seed(0)
-    overrides = {} if ffn_width is None else {"intermediate_size": ffn_width}
+    overrides: dict = {"attention_backend": attention_backend}
+    if ffn_width is not None:
+        overrides["intermediate_size"] = ffn_width
     cfg = models.model_config(size, mixer, backbone, vocab, **overrides)
     model = models.build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ffn-width", type=int, help="one SwiGLU width for every layer (e.g. an unaligned 5546)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (as trainer.compile=true)")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "flex", "sdpa"],
+                    help="attention layers' windows: flex_attention's block masks (auto, on CUDA) or dense SDPA masks")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
@@ -144,12 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "autocast": "bf16" if device.type == "cuda" else None, "steps": args.steps,
-              "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}
+              "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
+              "backbone": args.backbone, "size": args.size, "batch": args.batch, "seq_len": args.seq_len,
+              "attention_backend": args.attention_backend}
     rows: list[dict] = []
     for mixer in args.mixers:
         try:
             row = measure(args.size, mixer, args.backbone, args.vocab, args.batch, args.seq_len, args.steps,
-                          args.rows, device, args.ffn_width, args.compile)
+                          args.rows, device, args.ffn_width, args.compile, args.attention_backend)
         except Exception as e:  # one mixer that cannot run here (kernels missing, out of memory) is its error row
             row = {"mixer": mixer, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows.append(row)

@@ -5,6 +5,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from models.layers.attention import BACKENDS as ATTENTION_BACKENDS
 from models.registry import MIXERS
 
 LAYER_CODES = {"R": "the configured mixer", "S": "sliding-window attention (config.window)", "A": "full attention"}
@@ -47,10 +48,12 @@ class KDNConfig(PretrainedConfig):
     Kernel settings (no effect on the parameters or the maths): ``fused`` runs the fused CUDA kernels of the front
     end, norms, SwiGLU and LM head (``False``: their PyTorch code on CUDA too); ``recompute_states`` makes the
     asymmetric memory's backward (KDN, KDA) recompute its WY terms and chunk states instead of keeping them (less
-    memory, slower). The Diagonal KDN memory route is a mixer keyword (``mixer_kwargs["memory"]``, ``"asym"`` or
-    ``"dplr"``, with ``"chunk_size"``), and so is both KDNs' memory precision (``mixer_kwargs["precision"]``,
-    ``"bf16"`` or ``"fp32"``; docs/kernels.md, "Precision"; ``+mixer.kwargs.precision=fp32`` in training,
-    ``kdn_diag/precision=fp32`` in ``eval.mqar``).
+    memory, slower); ``attention_backend`` runs the attention layers' windows, documents, padding and cached prefixes
+    through ``flex_attention``'s block masks on CUDA (``"auto"``) or SDPA's dense masks (``"sdpa"``; ``"flex"``: block
+    masks on every device, forward only off CUDA). The Diagonal KDN memory route is a mixer keyword
+    (``mixer_kwargs["memory"]``, ``"asym"`` or ``"dplr"``, with ``"chunk_size"``), and so is both KDNs' memory
+    precision (``mixer_kwargs["precision"]``, ``"bf16"`` or ``"fp32"``; docs/kernels.md, "Precision";
+    ``+mixer.kwargs.precision=fp32`` in training, ``kdn_diag/precision=fp32`` in ``eval.mqar``).
 
     ``init`` names the weight initialisation rule (:data:`INIT_RULES`): ``"fla"`` (the default) or ``"authors"``.
     """
@@ -80,6 +83,7 @@ class KDNConfig(PretrainedConfig):
         use_cache: bool = True,
         fused: bool = True,
         recompute_states: bool = False,
+        attention_backend: str = "auto",
         init: str = "fla",
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -105,6 +109,7 @@ class KDNConfig(PretrainedConfig):
         self.use_cache = use_cache
         self.fused = fused
         self.recompute_states = recompute_states
+        self.attention_backend = attention_backend
         self.init = init
         self.check()
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
@@ -156,6 +161,9 @@ class KDNConfig(PretrainedConfig):
         for name in ("fused", "recompute_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got "
+                             f"{self.attention_backend!r}")
         if self.init not in INIT_RULES:
             raise ValueError(f"init must be one of {list(INIT_RULES)} (the weight initialisation rule), got "
                              f"{self.init!r}")

@@ -144,7 +144,8 @@ def _attn() -> MixerSpec:
 
     def build(cfg: Any, idx: int, kw: dict) -> nn.Module:
         return Attention(cfg.hidden_size, cfg.num_heads, cfg.head_dim, window=window(cfg, kw),
-                         rope_theta=kw.get("rope_theta", cfg.rope_theta), layer_idx=idx)
+                         rope_theta=kw.get("rope_theta", cfg.rope_theta), layer_idx=idx,
+                         backend=getattr(cfg, "attention_backend", "auto"))
 
     def state(cfg: Any, kw: dict) -> int | None:
         w = window(cfg, kw)

@@ -1,4 +1,9 @@
-"""Causal softmax attention with RoPE, full or sliding-window, on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Causal softmax attention with RoPE, full or sliding-window.
+
+Unmasked full attention runs SDPA's causal (flash) kernel. Windows, packed documents, padding and cached prefixes
+run block-sparse ``flex_attention`` on CUDA (:mod:`models.layers.window_attention`: no block outside the window or
+the document is computed, no ``[T, T]`` mask is built) and SDPA with a dense mask elsewhere (``backend``:
+``"auto"``; ``"sdpa"`` forces the dense masks, ``"flex"`` the block masks on any device, forward only off CUDA).
 
 A sliding window of ``W`` lets a token see itself and the ``W - 1`` previous tokens of its sequence;
 the decoding cache then keeps only the last ``W - 1`` keys and values (bounded memory). Packed prompts
@@ -18,6 +23,9 @@ from torch import Tensor
 from kdn.layers import RecurrentCache
 from kdn.modules import Linear, positions_in_sequence
 from models.layers.common import check_cu_seqlens, current_mask
+from models.layers.window_attention import block_mask_for, flex_windowed
+
+BACKENDS = ("auto", "flex", "sdpa")
 
 
 def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
@@ -47,19 +55,23 @@ def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head causal attention: ``num_heads x head_dim`` heads, ``window`` (``None``: full) and RoPE."""
+    """Multi-head causal attention: ``num_heads x head_dim`` heads, ``window`` (``None``: full), RoPE, and the
+    ``backend`` of masked attention (module docstring)."""
 
     def __init__(
         self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *, window: int | None = 2048,
-        rope_theta: float = 10000.0, layer_idx: int | None = None,
+        rope_theta: float = 10000.0, layer_idx: int | None = None, backend: str = "auto",
     ) -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)} (auto: flex_attention's block masks on CUDA, "
+                             f"dense SDPA masks elsewhere), got {backend!r}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
             raise ValueError(f"window must be a positive int (sliding window) or None (full attention), got {window!r}")
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.window, self.rope_theta, self.layer_idx = window, rope_theta, layer_idx
+        self.window, self.rope_theta, self.layer_idx, self.backend = window, rope_theta, layer_idx, backend
         inner = num_heads * head_dim
         self.q_proj = Linear(hidden_size, inner, bias=False)
         self.k_proj = Linear(hidden_size, inner, bias=False)
@@ -108,6 +120,12 @@ class Attention(nn.Module):
         plain = last is None and mask is None and doc is None and (self.window is None or self.window >= T)
         if plain:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.block_sparse(x) and T > 1:
+            if last is None and mask is None:  # by index: the window and the documents
+                bm = block_mask_for(T, T, self.window, cu_seqlens=cu_seqlens, device=x.device)
+            else:
+                bm = block_mask_for(T, L + T, self.window, q_pos=pos, k_pos=k_pos, k_valid=k_valid, device=x.device)
+            o = flex_windowed(q, k, v, bm)
         else:
             qi = torch.arange(T, device=x.device) + L
             kj = torch.arange(L + T, device=x.device)
@@ -128,6 +146,10 @@ class Attention(nn.Module):
                 next_pos=start + valid.long().sum(1))
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * K)), None, past_key_values
 
+    def block_sparse(self, x: Tensor) -> bool:
+        """Whether masked attention of ``x`` runs ``flex_attention``'s block masks (``backend``)."""
+        return self.backend == "flex" or (self.backend == "auto" and x.is_cuda)
+
     def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v [B, H, T, K]`` of ``x [B, T, d]`` at positions ``pos [B, T]`` (RoPE on ``q`` and ``k``)."""
         B, T, _ = x.shape
@@ -139,7 +161,8 @@ class Attention(nn.Module):
     def packed_prefill(self, x: Tensor, cu_seqlens: Tensor, cache: RecurrentCache | None
                        ) -> tuple[Tensor, None, RecurrentCache]:
         """Packed prompts ``x [1, T, d]`` (``cu_seqlens [N+1]``) from an empty cache: attention within each document
-        (one SDPA call per document, by blocks past the window, never a ``[T, T]`` mask), and per document the keys
+        (one block-sparse call for all of them, or one SDPA call per document, by blocks past the window; never a
+        ``[T, T]`` mask), and per document the keys
         and values a decoding step needs, the latest last (left-padded): ``k, v [N, H, L, K]``, ``valid [N, L]``,
         ``pos [N, L]``, ``next_pos [N]`` (``L``: the longest document, at most ``window - 1`` when sliding)."""
         H, K = self.num_heads, self.head_dim
@@ -148,14 +171,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, pos)
         offsets = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-        o = torch.empty_like(q)
-        for a, b in zip(offsets, offsets[1:]):
-            n = b - a
-            if self.window is None or self.window >= n:
-                o[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                              is_causal=True)
-            else:
-                o[:, :, a:b] = sliding_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.window)
+        if self.block_sparse(x):
+            o = flex_windowed(q, k, v, block_mask_for(T, T, self.window, cu_seqlens=cu_seqlens, device=x.device))
+        else:
+            o = self._per_document(q, k, v, offsets)
         longest = max(lengths)
         L = longest if self.window is None else min(longest, self.window - 1)
         ends = cu_seqlens[1:].to(x.device)
@@ -168,6 +187,17 @@ class Attention(nn.Module):
                      v=v[0][:, idx].transpose(0, 1).contiguous(), pos=pos[0][idx] * valid, valid=valid,
                      next_pos=torch.tensor(lengths, device=x.device))
         return self.o_proj(o.transpose(1, 2).reshape(1, T, H * K)), None, cache
+
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, offsets: list[int]) -> Tensor:
+        """Attention of ``q, k, v [1, H, T, K]`` within each document of ``offsets``, one SDPA call per document."""
+        o = torch.empty_like(q)
+        for a, b in zip(offsets, offsets[1:]):
+            if self.window is None or self.window >= b - a:
+                o[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                              is_causal=True)
+            else:
+                o[:, :, a:b] = sliding_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.window)
+        return o
 
     def static_step(self, x: Tensor, state: dict[str, Tensor]) -> Tensor:
         """One token per row, ``x [B, 1, d]``, against the ring buffers of a static cache: ``k, v [B, H, L, K]``,
