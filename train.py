@@ -8,15 +8,18 @@
 
 Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default; the default name holds the
 experiment-changing overrides): ``config.yaml`` (the validated config), ``fingerprint.json`` (the experiment's
-identity), ``checkpoints/``, ``metrics.jsonl``, ``hf/`` (the Hugging Face export), wandb's offline files and,
-while it runs, ``run.lock``. Rerunning the same command resumes from the newest intact checkpoint there (a finished
-run says so and trains nothing); a rerun with another experiment's settings, ``trainer.max_steps`` included, is
-refused (``name=<new>`` starts another run, ``resume=force`` continues this one with the new settings). A directory
-whose training left records but no intact checkpoint is started over only with ``resume=restart``, which keeps the
-old ``metrics.jsonl`` as ``metrics.<time>.jsonl``. SIGUSR1/SIGTERM save at the next step boundary (during start-up:
-at once) and exit with code 75 for a requeue; a NaN/Inf loss, gradient norm or weight stops the run and keeps the
-last good checkpoint. Bad options and run-directory conflicts end in one line and exit code 2; a checkpoint that
-cannot be written or read ends in one line and exit code 1.
+identity), ``.hydra/`` (Hydra's composed config and the command's overrides), ``checkpoints/``, ``metrics.jsonl``,
+``hf/`` (the Hugging Face export), wandb's offline files and, while it runs, ``run.lock``. A command that is refused
+(a bad value, another experiment, a checkpoint it cannot resume) leaves these as they were (a damaged checkpoint it
+finds is still set aside): they are written once its checks have passed and its checkpoint is loaded. Rerunning the
+same command resumes from the newest intact checkpoint there (a finished run says so and trains nothing); a rerun
+with another experiment's settings, ``trainer.max_steps`` included, is refused (``name=<new>`` starts another run,
+``resume=force`` continues this one with the new settings). A directory whose training left records but no intact
+checkpoint is started over only with ``resume=restart``, which keeps the old ``metrics.jsonl`` as
+``metrics.<time>.jsonl``. SIGUSR1/SIGTERM save at the next step boundary (during start-up: at once) and exit with
+code 75 for a requeue; a NaN/Inf loss, gradient norm or weight stops the run and keeps the last good checkpoint. Bad
+options and run-directory conflicts end in one line and exit code 2; a checkpoint that cannot be written or read
+ends in one line and exit code 1.
 """
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ from trainer.optim import adopt_hyperparameters, all_finite, build_optimizer, bu
 from trainer.preemption import Preemption  # noqa: E402
 from trainer.profiling import StepProfiler  # noqa: E402
 from trainer.rundir import (  # noqa: E402
+    HYDRA_SUBDIR,
     RunDirError,
     RunLock,
     check_fingerprint,
     earlier_training,
     set_aside_records,
     store_fingerprint,
+    write_text_atomic,
 )
 
 log = logging.getLogger("train")
@@ -141,25 +146,27 @@ def evaluate(model: torch.nn.Module, accelerator: Accelerator, loader: TokenLoad
     return float(accelerator.reduce(total, "sum")) / (n * accelerator.num_processes)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, hydra_files: dict[str, str] | None = None) -> dict[str, Any]:
     """Run (or resume) one training job; returns a summary of where it ended. The preemption signals
-    are caught from the start (a signal during set-up is acted on at the first step boundary)."""
+    are caught from the start (a signal during set-up is acted on at the first step boundary). ``hydra_files``
+    ({name: text}) are written to ``<run_dir>/.hydra/`` with the run's other records, once the command is
+    accepted."""
     with Preemption(cfg.trainer.preempt_signals) as preemption:
         budget = derive_budget(cfg, world_size(cfg.trainer))
         accelerator, precision = build_accelerator(cfg.trainer, budget.grad_accum)
         if not accelerator.is_main_process:
             log.setLevel(logging.WARNING)
-            return _train(cfg, preemption, accelerator, precision, budget, token="")
+            return _train(cfg, preemption, accelerator, precision, budget, token="", hydra_files={})
         with RunLock(cfg.run_dir) as lock:  # one process a run directory
-            return _train(cfg, preemption, accelerator, precision, budget, token=lock.me["token"][:8])
+            return _train(cfg, preemption, accelerator, precision, budget, token=lock.me["token"][:8],
+                          hydra_files=hydra_files or {})
 
 
-def _open_run_dir(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer,
-                  last: Path | None) -> dict[str, list[Any]]:
+def _check_run_dir(cfg: TrainConfig, last: Path | None) -> tuple[dict[str, list[Any]], str]:
     """Refuse a resume of another experiment (unless ``resume=force``) and a start over the records of earlier
-    training (unless ``resume=restart``, which sets them aside); record this run's config. Returns the adopted
-    changes ({key: [old, new]}) of a forced resume."""
-    run_dir, config = Path(cfg.run_dir), asdict(cfg)
+    training (unless ``resume=restart``). Writes nothing. Returns the adopted changes ({key: [old, new]}) of a
+    forced resume and the earlier training that ``resume=restart`` sets aside ("" when none)."""
+    run_dir = Path(cfg.run_dir)
     earlier = "" if last is not None else earlier_training(run_dir)
     if earlier and cfg.resume != "restart":
         raise RunDirError(f"{run_dir} holds earlier training ({earlier}) but no intact checkpoint to resume from; "
@@ -167,29 +174,39 @@ def _open_run_dir(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer
     if last is not None and cfg.resume == "restart":
         log.warning(f"resume=restart: {run_dir} has the intact checkpoint {last}, so it resumes from it (restart "
                     "starts over only a run without one; use another name= to start afresh)")
-    changes = check_fingerprint(run_dir, config, cfg.resume == "force") if last is not None else {}
+    changes = check_fingerprint(run_dir, asdict(cfg), cfg.resume == "force") if last is not None else {}
+    return changes, earlier
+
+
+def _record_run(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer, earlier: str,
+                hydra_files: dict[str, str]) -> None:
+    """Collective, once the command is accepted: set aside the records of ``earlier`` training, remove the temp
+    directories of interrupted saves, and write this run's validated config (``config.yaml``), its identity
+    (``fingerprint.json``) and ``hydra_files`` (into ``.hydra/``)."""
+    run_dir = Path(cfg.run_dir)
     accelerator.wait_for_everyone()  # every process compared with the stored config before it is replaced
-    if accelerator.is_main_process:  # the validated, resolved config of this run
+    if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         if earlier:
             kept = ", ".join(p.name for p in set_aside_records(run_dir))
             log.warning(f"resume=restart: {run_dir} starts over from step 0 ({earlier}); the earlier records are "
                         f"kept as {kept or 'they were'}")
         ckpt.remove_stale_temps()
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        store_fingerprint(run_dir, config)
-    return changes
+        write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        store_fingerprint(run_dir, asdict(cfg))
+        for name, text in hydra_files.items():
+            write_text_atomic(run_dir / HYDRA_SUBDIR / name, text)
 
 
 def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, precision: str, budget: Budget,
-           token: str) -> dict[str, Any]:
+           token: str, hydra_files: dict[str, str]) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if world > 1:  # the temp directory of a save is named the same on every process
         token = broadcast_object_list([token])[0]
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_last, token)
     last = ckpt.resume_point(accelerator)  # damaged checkpoints are set aside before anything is decided
-    changes = _open_run_dir(cfg, accelerator, ckpt, last)
+    changes, earlier = _check_run_dir(cfg, last)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -234,6 +251,7 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
         sync_lr(optimizer, scheduler)  # the schedule of this config's step count applies from the first step
         loader.load_state_dict(state.loader)
         resumed = True
+    _record_run(cfg, accelerator, ckpt, earlier, hydra_files)  # accepted: nothing refuses the command after this
     already_done = state.step >= budget.total_steps
     if already_done:
         log.info(f"{run_dir} is finished: step {state.step} of {budget.total_steps} ({last}); nothing to train")
@@ -355,10 +373,10 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
 
 
 def discard_unused_run_dir(run_dir: Path) -> bool:
-    """Remove ``run_dir`` if it holds only what Hydra wrote before the run was refused (``.hydra/`` and an empty
-    ``train.log``); returns whether it did. A directory with anything else is left as it is."""
+    """Remove ``run_dir`` if it holds only what Hydra wrote before the run was refused (an empty ``train.log``);
+    returns whether it did. A directory with anything else is left as it is."""
     log_file = run_dir / "train.log"
-    if not run_dir.is_dir() or any(p.name not in (".hydra", "train.log") for p in run_dir.iterdir()):
+    if not run_dir.is_dir() or any(p.name != "train.log" for p in run_dir.iterdir()):
         return False
     if log_file.is_file() and log_file.stat().st_size:
         return False
@@ -366,12 +384,21 @@ def discard_unused_run_dir(run_dir: Path) -> bool:
     return True
 
 
+def hydra_record(task_cfg: DictConfig) -> dict[str, str]:
+    """The files Hydra would write into ``<run_dir>/.hydra/`` before the job (``config.yaml``, ``hydra.yaml``,
+    ``overrides.yaml``), as text. ``conf/config.yaml`` sets ``hydra.output_subdir: null``, so Hydra writes none
+    itself and ``train`` writes these once the command is accepted."""
+    return {"config.yaml": OmegaConf.to_yaml(task_cfg), "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+            "overrides.yaml": OmegaConf.to_yaml(HydraConfig.get().overrides.task)}
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)  # == run_dir; per-job subdir under -m
+    hydra_files = hydra_record(dict_cfg)  # the config as composed, before run_dir is set to the path below
     dict_cfg.run_dir = str(run_dir)
     try:
-        train(load_config(dict_cfg))
+        train(load_config(dict_cfg), hydra_files)
     except (ConfigError, RunDirError, CheckpointError) as e:  # one line each, and no directory left for nothing
         discard_unused_run_dir(run_dir)
         if isinstance(e, ConfigError):  # bad values, an impossible batch split, a missing device

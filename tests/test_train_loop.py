@@ -179,12 +179,17 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
     saved = json.loads((ckpt / "train_state.json").read_text())["step"]
     logged = [r["step"] for r in records(run)[0]]
     assert 2 <= saved < 200 and logged[-1] == saved  # saved right after the step the signal interrupted
+    overrides = (run / ".hydra" / "overrides.yaml").read_text()  # Hydra's record of the accepted command
+    assert overrides.startswith("- model=toy\n") and "stop_after" not in overrides
     # the requeued job resumes from that step
     proc = _cli([*args, f"trainer.stop_after={saved + 2}"])
     out = proc.communicate(timeout=timeout_s(240))[0]
     assert proc.returncode == 0, out[-3000:]
     assert f"resumed from {ckpt}" in out
     assert [r["step"] for r in records(run)[0]] == list(range(1, saved + 3))
+    assert f"- trainer.stop_after={saved + 2}\n" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert f"stop_after: {saved + 2}\n" in (run / ".hydra" / "config.yaml").read_text()
+    assert f"output_dir: {run}\n" in (run / ".hydra" / "hydra.yaml").read_text()
 
 
 def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards: list[str]) -> None:

@@ -28,6 +28,7 @@ log = logging.getLogger("train")
 
 FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = "run.lock"
+HYDRA_SUBDIR = ".hydra"  # Hydra's composed config and the command's overrides, as Hydra names the folder
 
 # Keys that may change between a run and its resume: bookkeeping, logging, and how (not what) it computes.
 # A key covers its sub-keys ("logging" covers logging.wandb.mode). trainer.max_steps is not one: it sets the
@@ -175,12 +176,18 @@ def check_fingerprint(run_dir: Path, config: dict[str, Any], force: bool) -> dic
     return diff
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (its folder made if needed) through a temp file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def store_fingerprint(run_dir: Path, config: dict[str, Any]) -> None:
     """Write ``fingerprint.json`` (the hash and the config it covers) through a temp file and a rename."""
-    path = run_dir / FINGERPRINT_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint(config), "config": config}, indent=1, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(run_dir / FINGERPRINT_FILE,
+                      json.dumps({"fingerprint": fingerprint(config), "config": config}, indent=1, default=str))
 
 
 def earlier_training(run_dir: Path) -> str:
