@@ -3,6 +3,7 @@ scores 0; cells are written as they finish and a rerun continues after a crash; 
 the paper preset stops before loading a model when the essays cannot be reached."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -72,6 +73,9 @@ def test_right_answers_score_100_and_silence_scores_0(right: bool, run_dir: Path
     essays = tmp_path / "PaulGrahamEssays.json"
     essays.write_text(json.dumps({"text": "\n\n".join(
         " ".join(f"Essay {e} sentence {i} says a few plain words." for i in range(150)) for e in range(5))}))
+    opening = json.loads(essays.read_text())["text"][:100]  # stands in for the essays RULER's file opens with
+    monkeypatch.setattr("eval.ruler.haystack.RULER_OPENING_CHARS", len(opening))
+    monkeypatch.setattr("eval.ruler.haystack.RULER_OPENING_SHA256", hashlib.sha256(opening.encode()).hexdigest())
     haystack = str(essays) if right else "kjv"
     out = evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "log_samples=true", haystack=haystack)))
     rep = json.loads((tmp_path / "ruler.json").read_text())

@@ -1,5 +1,5 @@
 """Modified RULER generator and scorer: prompts, determinism, needle depths, length fit, windows, noise lines,
-bad input."""
+RULER's joins of sentences and needles, bad input."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +16,7 @@ from data.tokenizer import load_tokenizer
 from eval.ruler import GRID, TASKS, build_samples, cell_name, load_haystack, parse_cell, postprocess, string_match_all
 from eval.ruler import samples as ruler_samples
 from eval.ruler.generate import main as generate_main
-from eval.ruler.haystack import NOISE_LINE, noise_haystack, split_sentences
+from eval.ruler.haystack import NOISE_LINE, haystack_from_text, noise_haystack, split_sentences
 
 REQUIRED = ("task", "length", "index", "prompt", "answers", "depth", "haystack_words", "prompt_tokens")
 HEADER = ("A special magic {kind} is hidden within the following text. Make sure to memorize it. "
@@ -33,6 +33,10 @@ def tok():
 @pytest.fixture(scope="module")
 def kjv():
     return load_haystack(None)
+
+
+def load_haystack_text(text: str):
+    return haystack_from_text(text, "test", "00")
 
 
 def _kind(task: str) -> str:
@@ -65,12 +69,14 @@ def test_grid_and_cells():
 
 
 def test_sentence_splitter():
+    """Blank lines are whitespace like any other (RULER collapses it before splitting): "Heading without a period"
+    runs on into the next paragraph's sentence."""
     text = ("Mr. Smith went to Washington. He said \"Hello.\" Then J. R. R. Tolkien wrote e.g. books! "
             "Why? 3 more. lower case does not start one.\n\nHeading without a period\n\nNext paragraph.")
     words, starts = split_sentences(text)
     assert words == text.split()
     firsts = [words[i] for i in starts]
-    assert firsts == ["Mr.", "He", "Then", "Why?", "3", "Heading", "Next"]
+    assert firsts == ["Mr.", "He", "Then", "Why?", "3", "Heading"]
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -122,13 +128,64 @@ def test_prompt_needles_and_depth(task, tok, kjv):
             line, rest = divmod(s["offsets"][q], len(NOISE_LINE.split()))
             assert rest == 0 and 0 <= line < lines and s["depth"] == 100 * line // lines
             continue
-        # the queried needle sits before sentence floor(S * depth / 100) of the window
+        # the queried needle sits before sentence int(S * (depth / 100)) of the window, RULER's float product
         starts = [int(i) - w0 for i in hay.sentence_starts if w0 <= i < w0 + n]
         assert starts[0] == 0
         bounds = starts + [n]
-        expect = bounds[(len(bounds) - 1) * s["depth"] // 100]
+        expect = bounds[int((len(bounds) - 1) * (s["depth"] / 100))]
         assert s["offsets"][q] == expect
         assert expect == n or (w0 + expect) in set(int(i) for i in hay.sentence_starts)
+
+
+def _ruler_context(hay, s: dict) -> str:
+    """RULER's context of a sample, built as niah.py builds it: the window's sentences, the insertion positions
+    int(S * depth / 100) sorted, and [sentences, needle, sentences, ..., needle, sentences] joined by spaces."""
+    w0, n = s["window_start"], s["haystack_words"]
+    bounds = [int(i) - w0 for i in hay.sentence_starts if w0 <= i < w0 + n] + [n]
+    sents = [" ".join(hay.words[w0 + a:w0 + b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    order = sorted(range(len(s["keys"])), key=lambda i: s["depths"][i])
+    needles = [_needle(_kind(s["task"]), s["keys"][i], s["values"][i]) for i in order]
+    at = [0, *sorted(int(len(sents) * (s["depths"][i] / 100)) for i in order), len(sents)]
+    parts: list[str] = []
+    for i in range(1, len(at)):
+        parts.append(" ".join(sents[at[i - 1]:at[i]]))
+        if i - 1 < len(needles):
+            parts.append(needles[i - 1])
+    return " ".join(parts)
+
+
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_1"])
+def test_essay_prompts_are_rulers_join_of_their_window(task, tok, kjv):
+    """40 samples at 1K, each prompt's context equal to RULER's construction from the same window, depths and
+    needles; among them needles before the first sentence, after the last, and two at one boundary."""
+    shapes = set()
+    for s in build_samples(task, 1024, 40, tokenizer=tok, haystack=kjv, seed=0):
+        context = _context(s)
+        assert context == _ruler_context(kjv, s)
+        shapes |= {name for name, seen in (("leading", context.startswith(" ")), ("trailing", context.endswith(" ")),
+                                           ("double", "  " in context.strip())) if seen}
+    assert shapes == ({"leading", "trailing"} if task == "niah_single_2" else {"leading", "trailing", "double"})
+
+
+def test_join_shapes_are_rulers():
+    """Golden contexts of a three-sentence window: RULER's list of runs and needles joined by single spaces keeps an
+    empty run as an empty string, so the spaces around it stay."""
+    hay = load_haystack_text("One two. Three four. Five six.")
+    render = ruler_samples._render
+    assert render(hay, 0, 6, [(2, "A.")]) == "One two. A. Three four. Five six."
+    assert render(hay, 0, 6, [(0, "A.")]) == " A. One two. Three four. Five six."  # before the first sentence
+    assert render(hay, 0, 6, [(6, "A.")]) == "One two. Three four. Five six. A. "  # after the last
+    assert render(hay, 0, 6, [(2, "A."), (2, "B.")]) == "One two. A.  B. Three four. Five six."  # one boundary
+    assert render(hay, 0, 6, [(0, "A."), (0, "B."), (6, "C.")]) == " A.  B. One two. Three four. Five six. C. "
+    assert render(hay, 2, 4, [(4, "A."), (4, "B.")]) == "Three four. Five six. A.  B. "
+
+
+def test_depth_is_rulers_float_product():
+    """A needle at depth d goes before sentence int(S * (d / 100)): with S = 150 and d = 82 that is 122 (the float
+    product is 122.99999999999999), where integer arithmetic would give 123."""
+    hay = load_haystack_text(" ".join(f"Sentence {i}." for i in range(150)))
+    assert ruler_samples._depth_offsets(hay, 0, 300, [82, 41, 100, 0]) == [2 * 122, 2 * 61, 300, 0]
+    assert 150 * 82 // 100 == 123 and 150 * 41 // 100 == 61
 
 
 @pytest.mark.parametrize("task,length", [("niah_single_1", 512), ("niah_single_2", 1024),

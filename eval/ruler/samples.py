@@ -11,7 +11,8 @@ the paper:
   (RULER: always the corpus's first words).
 
 S-NIAH-1's noise haystack is RULER's: whole lines of `NOISE_LINE` joined by newlines, as many as fit (one more
-line would not), and the needle goes before a line drawn uniformly from them, never after the last one.
+line would not), and the needle goes before a line drawn uniformly from them, never after the last one. In the
+essays, needles go between sentences and are joined with them as RULER joins them (`_render`), spaces included.
 
 Every sample draws from its own generator, `np.random.default_rng([seed, task_id, length, index])`, so a sample
 is the same whatever the call order, the slice (`start`, `n`) and the other cells requested.
@@ -123,7 +124,8 @@ def _depth_offsets(hay: Haystack, start: int, n_words: int, depths: list[int]) -
     """Word offsets in the window (`n_words` words from `start`) of needles at `depths` percent.
 
     A window of S sentences (a partial first or last one counts) has boundaries b_0 = 0 < ... < b_S = n_words;
-    a needle at depth d goes before sentence floor(S * d / 100), as in RULER.
+    a needle at depth d goes before sentence `int(S * (d / 100))`, RULER's floating-point product (one less than
+    floor(S * d / 100) where it rounds down, e.g. S = 150, d = 82: 122, not 123).
     """
     s = hay.sentence_starts
     lo, hi = np.searchsorted(s, [start, start + n_words], side="left")
@@ -132,7 +134,7 @@ def _depth_offsets(hay: Haystack, start: int, n_words: int, depths: list[int]) -
         rel.insert(0, 0)
     bounds = rel + [n_words]
     n_sent = len(bounds) - 1
-    return [bounds[n_sent * d // 100] for d in depths]
+    return [bounds[int(n_sent * (d / 100))] for d in depths]
 
 
 def _line_offsets(fractions: list[float], lines: int, line_words: int) -> list[int]:
@@ -145,17 +147,29 @@ def _line_offsets(fractions: list[float], lines: int, line_words: int) -> list[i
 
 def _render(hay: Haystack, start: int, n_words: int, needles: list[tuple[int, str]]) -> str:
     """The context: `n_words` haystack words from `start`, each `(offset, needle)` before window word `offset`
-    (needles at one offset keep their order in `needles`)."""
-    parts: list[str] = []
+    (needles at one offset keep their order in `needles`).
+
+    Essays are joined as RULER joins them: the runs of sentences between needles and the needles alternate in one
+    list joined by spaces, a run with no sentence being an empty string; so a needle before the first sentence
+    leaves a leading space, one after the last a trailing space, and two needles at one boundary are two spaces
+    apart. Noise lines and needles are lines joined by newlines (a needle is inserted before a line)."""
+    placed = sorted(needles, key=lambda x: x[0])
+    if hay.line_words is None:
+        cuts = [0, *(offset for offset, _ in placed), n_words]
+        parts = [_segment(hay, start + cuts[0], start + cuts[1])]
+        for i, (_, text) in enumerate(placed):
+            parts += [text, _segment(hay, start + cuts[i + 1], start + cuts[i + 2])]
+        return " ".join(parts)
+    parts = []
     prev = 0
-    for offset, text in sorted(needles, key=lambda x: x[0]):
+    for offset, text in placed:
         if offset > prev:
             parts.append(_segment(hay, start + prev, start + offset))
         parts.append(text)
         prev = offset
     if n_words > prev:
         parts.append(_segment(hay, start + prev, start + n_words))
-    return ("\n" if hay.line_words else " ").join(parts)
+    return "\n".join(parts)
 
 
 def _segment(hay: Haystack, a: int, b: int) -> str:
