@@ -5,6 +5,8 @@ Writes ``<id>.md/.tex/.csv/.json`` per table, ``your_runs.md/.tex/.csv/.json`` (
 or not), ``runs.md`` (what was found), ``missing.txt`` (empty cells, runs that matched no paper row, files skipped),
 ``loss_curves.png`` and, with ``--throughput``, ``fig4_throughput.png/.pdf`` into ``--out``. The MQAR recall table
 (``mqar_recall.*``) is built from the ``mqar.json`` files under RUNS_DIR, or from those ``--mqar`` names instead.
+A table that is refused (mixed evaluation settings, duplicate runs, a bad MQAR file) is not written, and its files
+from an earlier invocation are removed from ``--out``, so that none of them reads as current.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 from eval.tables.figures import loss_curves, throughput_figure
 from eval.tables.model import Table, build_table
 from eval.tables.mqar import DEFAULT_REFERENCE, MQAR_ID, build_mqar_table, find_mqar, read_mqar
-from eval.tables.render import write_atomic, write_table
+from eval.tables.render import remove_table, write_atomic, write_table
 from eval.tables.runs import Run, find_runs
 from eval.tables.specs import TABLES
 from eval.tables.yours import YOURS_ID, build_runs_table, write_runs_table
@@ -75,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             table = build_mqar_table(read_mqar(mqar_paths), reference=args.mqar_reference, diffs=not args.no_diff)
         except ValueError as err:  # bad file, mixed budgets, duplicate job: one line, the other tables are written
-            raise SystemExit(f"eval.tables: {err}") from None
+            reason = str(err).removeprefix(f"{MQAR_ID}: ")
+            missing.append(f"{MQAR_ID}: not written: {reason}")
+            write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
+            raise SystemExit(f"eval.tables: {MQAR_ID}: {reason}{removed_note(out, MQAR_ID)}") from None
         missing += emit(table, MQAR_ID, out)
     if args.runs_dir is not None or (MQAR_ID in ids and mqar_paths):
         write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
@@ -87,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 def say(line: str) -> None:
     """One plain line on stderr (no source location, unlike a warning)."""
     print(line, file=sys.stderr)
+
+
+def removed_note(out: Path, tid: str) -> str:
+    """Remove the files of the refused table ``tid`` that an earlier invocation left in ``out``; the words that say
+    so ("" when there were none)."""
+    return f" (the earlier {tid}.* in {out} are removed)" if remove_table(out, tid) else ""
 
 
 def emit(table: Table, tid: str, out: Path) -> list[str]:
@@ -104,7 +115,8 @@ def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, dif
 
     Returns: the lines for ``missing.txt`` (files skipped, missing cells, runs that matched no paper row, tables
     refused) and the number of tables refused (mixed evaluation settings, duplicate runs). Every refusal and
-    skipped file is said in one line; the other tables are still written."""
+    skipped file is said in one line; the other tables are still written, and a refused table's files from an
+    earlier invocation are removed."""
     skipped: list[str] = []
     runs = find_runs(runs_dir, skipped)
     for line in skipped:
@@ -118,7 +130,7 @@ def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, dif
         try:
             table = build_table(TABLES[tid], runs, paper=paper, diffs=diffs)
         except ValueError as err:  # SettingsMismatch or two runs of one experiment and seed
-            say(f"eval.tables: {tid} not written: {err}")
+            say(f"eval.tables: {tid} not written: {err}{removed_note(out, tid)}")
             missing.append(f"{tid}: not written: {err}")
             refused += 1
             continue

@@ -14,6 +14,7 @@ from typing import Any
 
 from eval.tables.model import MISSING, Table
 
+EXTENSIONS = ("md", "tex", "csv", "json")  # the renderings of a table, one file each
 KIND_NOTE = {"paper": "published numbers", "diff": "the row minus the reference row, paired over their common seeds"}
 
 
@@ -127,11 +128,23 @@ def write_atomic(path: Path, text: str) -> None:
 def write_table(table: Table, out: Path) -> list[Path]:
     """``<id>.md``, ``.tex``, ``.csv`` and ``.json`` in ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
-    texts = {"md": markdown(table), "tex": latex(table), "csv": csv_text(table),
-             "json": json.dumps(as_json(table), indent=1) + "\n"}
+    texts = dict(zip(EXTENSIONS, (markdown(table), latex(table), csv_text(table),
+                                  json.dumps(as_json(table), indent=1) + "\n")))
     paths = []
     for ext, text in texts.items():
         path = out / f"{table.spec.id}.{ext}"
         write_atomic(path, text)
         paths.append(path)
     return paths
+
+
+def remove_table(out: Path, tid: str) -> list[Path]:
+    """Delete ``<tid>.md``, ``.tex``, ``.csv`` and ``.json`` from ``out``: the files of a table that an earlier
+    invocation wrote and this one refused, which would otherwise read as current. Returns the paths removed."""
+    removed = []
+    for ext in EXTENSIONS:
+        path = out / f"{tid}.{ext}"
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
