@@ -2,7 +2,8 @@
 those jobs.
 
 The ledger is rewritten whole through a temp file and a rename, so a reader never sees a torn record; the sweep
-asks the scheduler about every recorded job before it submits, so that a run never holds two live jobs.
+asks the scheduler about every recorded job before it submits, so that a run never holds two live jobs (a job it
+cannot ask about, :data:`UNKNOWN`, stops the sweep).
 """
 from __future__ import annotations
 
@@ -48,23 +49,41 @@ def record_job(run_dir: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
+QUERY_TIMEOUT_S = 30.0
+"""How long ``squeue`` or ``sacct`` may take to answer about one job before it counts as not answering."""
+UNKNOWN = "unknown"
+"""The state of a job that SLURM could not be asked about (``squeue`` missing, failing or not answering, and nothing
+from ``sacct``): it may still be queued or running, so a sweep does not resubmit its run (``slurm.submit``)."""
+
+
+def _ask(cmd: list[str]) -> subprocess.CompletedProcess | None:
+    """``cmd``'s result, or None when it is not on PATH, cannot start or does not answer within
+    :data:`QUERY_TIMEOUT_S`."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def scheduler_state(job_id: str) -> str | None:
-    """SLURM's state of ``job_id`` (``squeue`` for live jobs, then ``sacct``), or None when neither knows it or
-    neither is on PATH."""
-    if shutil.which("squeue"):
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
-        if out.strip():
-            return out.split()[0]
-    if shutil.which("sacct"):
-        out = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True,
-                             text=True).stdout
-        if out.strip():
-            return out.split()[0].rstrip("+")
-    return None
+    """SLURM's state of ``job_id``: ``squeue``'s for a job in the queue, else ``sacct``'s; ``None`` when ``squeue``
+    answered that the job is not queued and ``sacct`` holds no record of it (it is over); :data:`UNKNOWN` when
+    neither could tell (``squeue`` missing, failing or not answering, and nothing from ``sacct``)."""
+    queue = _ask(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    if queue is not None and queue.returncode == 0 and queue.stdout.strip():
+        return queue.stdout.split()[0]
+    # squeue answers with nothing, or for a job it no longer holds with "Invalid job id specified" and status 1
+    not_queued = queue is not None and (queue.returncode == 0 or "Invalid job id" in queue.stderr)
+    acct = _ask(["sacct", "-n", "-X", "-j", job_id, "-o", "State"])
+    if acct is not None and acct.returncode == 0 and acct.stdout.strip():
+        return acct.stdout.split()[0].rstrip("+")
+    return None if not_queued else UNKNOWN
 
 
 def job_states(run_dir: Path, kind: str | None = None) -> list[tuple[str, str | None]]:
-    """``(job id, SLURM state or None)`` of every recorded job of ``run_dir`` (of ``kind`` when given)."""
+    """``(job id, :func:`scheduler_state`)`` of every recorded job of ``run_dir`` (of ``kind`` when given)."""
     return [(str(r["job_id"]), scheduler_state(str(r["job_id"]))) for r in recorded_jobs(run_dir, kind)]
 
 

@@ -1,5 +1,6 @@
-"""Each run of a sweep: pending, running, finished, failed or not submitted, with its last logged step and loss,
-and every job submitted for it with SLURM's state of each.
+"""Each run of a sweep: pending, running, finished, failed, ended (no record of how), unknown (SLURM could not be
+asked) or not submitted, with its last logged step and loss, and every job submitted for it with SLURM's state of
+each.
 
     python -m slurm.status table4_mu [seeds=3] [cluster.runs_root=DIR]
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from slurm.cluster import load_cluster
-from slurm.jobs import ACTIVE, active_jobs, job_states
+from slurm.jobs import ACTIVE, UNKNOWN, active_jobs, job_states
 from slurm.sweep import parse, shown
 from slurm.sweeps import ROOT, SweepError, expand, is_finished
 
@@ -48,8 +49,10 @@ def run_state(run_dir: Path, kind: str = "train") -> dict:
         state = "not submitted"
     elif live:
         state = "running" if any(ACTIVE[s] == "running" for _, s in live) else "pending"
+    elif slurm == UNKNOWN:
+        state = "unknown"  # SLURM could not be asked (e.g. read from another machine): it may be live
     elif slurm is None:
-        state = "submitted"  # no scheduler to ask (e.g. read from another machine)
+        state = "ended"  # not queued, and sacct holds no record of how it ended
     elif slurm == "COMPLETED" and kind == "eval":
         state = "finished"
     else:

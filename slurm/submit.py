@@ -8,19 +8,27 @@ submission that sbatch did not accept freezes nothing. Every accepted job id is 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
 from slurm.cluster import ClusterConfig
-from slurm.jobs import ACTIVE, active_jobs, job_states, record_job
+from slurm.jobs import ACTIVE, UNKNOWN, active_jobs, job_states, record_job
 from slurm.sweeps import ROOT, Job, SweepError, is_finished
 
 PAPER_VOCAB = 32_000  # the FLOPs estimate of the timeout check assumes the paper's vocabulary
+# the batch shell's test of slurm.sweeps.restart_reason: prints the reason and exits 0 when the run may start over
+RESTART_CHECK = ("import sys; from slurm.sweeps import restart_reason; why = restart_reason(sys.argv[1]); "
+                 "print(why or ''); sys.exit(0 if why else 1)")
 
 
 @dataclass
@@ -89,8 +97,16 @@ def render(job: Job, cluster: ClusterConfig) -> str:
             lines.append(f"#SBATCH --{key}={getattr(cluster, key)}")
     if cluster.exclusive and train:
         lines.append("#SBATCH --exclusive")
-    lines += ["set -uo pipefail", f"cd {shlex.quote(str(ROOT))}", f"export KDN_MAX_REQUEUES={cluster.max_requeues}",
-              f"exec bash slurm/requeue.sh {shlex.join(job.command())}", ""]
+    lines += ["set -uo pipefail", f"cd {shlex.quote(str(ROOT))}", f"export KDN_MAX_REQUEUES={cluster.max_requeues}"]
+    command = shlex.join(job.command())
+    if train and not any(o.startswith("resume=") for o in job.overrides):
+        # a start after a hard failure before the run's first checkpoint (a node failure that SLURM requeued, or a
+        # resubmission) starts over rather than stopping to ask for resume=restart: no trained state exists to lose
+        check = f"{shlex.quote(sys.executable)} -c {shlex.quote(RESTART_CHECK)} {shlex.quote(str(job.run_dir))}"
+        lines += ["restart=", f"if why=$({check}); then",
+                  '  echo "batch shell: $why; starting it over (resume=restart)"', "  restart=resume=restart", "fi"]
+        command += " $restart"
+    lines += [f"exec bash slurm/requeue.sh {command}", ""]
     return "\n".join(lines)
 
 
@@ -106,10 +122,11 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
-    """Check ``job`` against the cluster and against what its run directory froze at first submission."""
+def plan(job: Job, cluster: ClusterConfig, force: bool = False, resubmit_unknown: bool = False) -> Plan:
+    """Check ``job`` against the cluster and against what its run directory froze at first submission;
+    ``resubmit_unknown``: see :func:`live_job`."""
     if job.kind == "eval":
-        return Plan(job, render(job, cluster), None, None, live_job(job))
+        return Plan(job, render(job, cluster), None, None, live_job(job, resubmit_unknown))
     config, cfg = compose_train(job.overrides)
     total = check_budget(job, cfg, cluster)
     frozen = job.run_dir / "submit" / "config.json"
@@ -118,22 +135,56 @@ def plan(job: Job, cluster: ClusterConfig, force: bool = False) -> Plan:
         if diff:
             raise SweepError(f"{job.name}: {job.run_dir} was submitted with another config ({'; '.join(diff[:6])}"
                              f"{'; ...' if len(diff) > 6 else ''}); use a new sweep name or force=true")
-    skip = "finished" if is_finished(job.run_dir) else live_job(job)
+    skip = "finished" if is_finished(job.run_dir) else live_job(job, resubmit_unknown)
     return Plan(job, render(job, cluster), config, total, skip)
 
 
-def live_job(job: Job) -> str | None:
+def live_job(job: Job, resubmit_unknown: bool = False) -> str | None:
     """``"running: job N"`` / ``"pending: job N"`` when a recorded job of ``job``'s kind is still queued or running
-    (every such job is named), else None."""
-    live = active_jobs(job_states(job.run_dir, job.kind))
+    (every such job is named), else None. A recorded job whose state SLURM could not tell (:data:`UNKNOWN`) may be
+    live: ``SweepError`` naming the commands that settle it, unless ``resubmit_unknown`` counts it as over."""
+    states = job_states(job.run_dir, job.kind)
+    unknown = [job_id for job_id, state in states if state == UNKNOWN]
+    if unknown and not resubmit_unknown:
+        raise SweepError(
+            f"{job.name}: SLURM could not tell the state of job {', '.join(unknown)} (squeue missing, failing or not "
+            f"answering, and no sacct record), so it may still be queued or running: check with squeue -j "
+            f"{unknown[0]} or sacct -j {unknown[0]} and run the same command again once they answer, or add "
+            "resubmit_unknown=true to submit anyway")
+    live = active_jobs(states)
     if not live:
         return None
     return ", ".join(f"{ACTIVE[state]}: job {job_id}" for job_id, state in live)
 
 
+@contextlib.contextmanager
+def signals_held(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Hold back ``signums`` inside (Ctrl-C, ``kill``, a closed terminal) and act on them on leaving, as they would
+    have been: a job that sbatch accepted is recorded before the process stops. Child processes get the default
+    handling (an exec resets caught signals). Outside the main thread, a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
+
+
 def submit(p: Plan) -> str:
     """``sbatch`` the job and, once sbatch has accepted it, freeze it into ``<run_dir>/submit/`` and record its id;
-    returns the job id. A refused submission leaves the run directory as it was."""
+    returns the job id. A refused submission leaves the run directory as it was. SIGINT, SIGTERM and SIGHUP that
+    arrive meanwhile take effect once the job is recorded (:func:`signals_held`)."""
+    with signals_held():
+        return _submit(p)
+
+
+def _submit(p: Plan) -> str:
     from eval.results import git_commit
     from trainer.checkpoint import write_json_atomic
 
@@ -146,7 +197,9 @@ def submit(p: Plan) -> str:
     pending = script.with_name(f"{script.name}.pending")
     pending.write_text(p.script)
     try:
-        res = subprocess.run(["sbatch", "--parsable", str(pending)], capture_output=True, text=True)
+        # a session of its own: Ctrl-C at the terminal reaches this process (held), not sbatch mid-submission
+        res = subprocess.run(["sbatch", "--parsable", str(pending)], capture_output=True, text=True,
+                             start_new_session=True)
     except OSError as e:
         res = subprocess.CompletedProcess(e.filename or "sbatch", 127, "", str(e))
     job_id = res.stdout.strip().split(";")[0]

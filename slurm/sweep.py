@@ -13,7 +13,9 @@ checkpoints), ``of=SWEEP`` (the eval sweep's training sweep), ``cluster.KEY=VALU
 other ``key=value`` is a Hydra override of train.py (or of evaluate.py for the eval sweep). Finished runs are
 skipped, and so are runs with a queued or running job (every submitted job id is recorded in the run directory's
 ``submit/jobs.jsonl`` and asked of ``squeue``/``sacct``), so running the same command twice submits nothing twice;
-two commands at once take turns (a lock in ``cluster.runs_root``), so the second sees what the first submitted.
+two commands at once take turns (a lock in ``cluster.runs_root``), so the second sees what the first submitted. A
+recorded job whose state SLURM cannot tell (``squeue`` missing, failing or not answering, and no ``sacct`` record)
+may be live: the sweep stops in one line naming it, unless ``resubmit_unknown=true``.
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict, list[str], 
     ap = argparse.ArgumentParser(prog="python -m slurm.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help=f"a sweep in conf/sweep/: {', '.join(available())}")
-    ap.add_argument("overrides", nargs="*", help="seeds=N, force=true, of=SWEEP, cluster.KEY=VALUE, train overrides")
+    ap.add_argument("overrides", nargs="*", help="seeds=N, force=true, of=SWEEP, resubmit_unknown=true, "
+                                                 "cluster.KEY=VALUE, train overrides")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs and their batch scripts; submit nothing")
     args = ap.parse_intermixed_args(argv)
-    tool = {"seeds": "1", "force": "false", "of": None}
+    tool = {"seeds": "1", "force": "false", "of": None, "resubmit_unknown": "false"}
     cluster, hydra = [], []
     for item in args.overrides:
         key, eq, value = item.partition("=")
@@ -51,8 +54,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict, list[str], 
             hydra.append(item)
     if not tool["seeds"].isdigit():
         raise SweepError(f"seeds={tool['seeds']}: give a whole number of training seeds")
-    if tool["force"] not in ("true", "false"):
-        raise SweepError(f"force={tool['force']}: true or false")
+    for key in ("force", "resubmit_unknown"):
+        if tool[key] not in ("true", "false"):
+            raise SweepError(f"{key}={tool[key]}: true or false")
     return args, tool, cluster, hydra
 
 
@@ -67,7 +71,8 @@ def plans(name: str, tool: dict, cluster: ClusterConfig, hydra: list[str]) -> li
                              of=tool["of"])
     if not jobs:
         raise SweepError(f"sweep {name} has no job to run (for eval: no run of of={tool['of']} has finished yet)")
-    return [plan(j, cluster, force=tool["force"] == "true") for j in jobs]
+    return [plan(j, cluster, force=tool["force"] == "true", resubmit_unknown=tool["resubmit_unknown"] == "true")
+            for j in jobs]
 
 
 @contextlib.contextmanager

@@ -86,6 +86,38 @@ def is_finished(run_dir: Path) -> bool:
     return total is not None and step is not None and step >= total
 
 
+def restart_reason(run_dir: Path | str) -> str | None:
+    """Why training in ``run_dir`` may start over from step 0 although it left records there: its metrics stop
+    within the first checkpoint interval (at most ``trainer.ckpt_every > 0`` steps, read from the run's
+    ``config.yaml``) and ``checkpoints/`` holds nothing (no checkpoint, no temp or damaged one), so no checkpoint was
+    ever written and no trained state can be lost. ``None`` when nothing needs it (no records) or when the records
+    call for a person (a checkpoint was due, or the config is unreadable): train.py then stops and asks for
+    ``resume=restart``."""
+    run_dir = Path(run_dir)
+    metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    if not metrics.is_file() or not metrics.stat().st_size or (ckpts.exists() and any(ckpts.iterdir())):
+        return None
+    try:
+        every = int(OmegaConf.load(run_dir / "config.yaml").trainer.ckpt_every)
+    except Exception:  # noqa: BLE001 - missing, unreadable or without the key: a person decides
+        return None
+    if every <= 0:  # checkpoints only at the end or on a signal: no interval bounds what a restart would redo
+        return None
+    steps = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by the failure
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            steps.append(rec["step"])
+    last = max(steps, default=0)
+    if last > every:
+        return None
+    return (f"{run_dir} stopped at step {last}, before its first checkpoint (every {every} steps), and holds no "
+            "checkpoint")
+
+
 def expand(name: str, *, seeds: int, runs_root: Path, overrides: list[str], of: str | None = None) -> list[Job]:
     """The jobs of sweep ``name``: every experiment x seed (training), or every finished run of sweep ``of``.
 

@@ -15,6 +15,7 @@ import pytest
 from conftest import timeout_s
 
 from slurm import expand, expand_nodelist, load_cluster, plan, rendezvous
+from slurm.jobs import record_job, recorded_jobs
 from slurm.status import main as status_main
 from slurm.sweep import main as sweep_main
 from slurm.sweeps import Job, SweepError
@@ -142,8 +143,6 @@ def test_a_second_sweep_command_skips_runs_with_a_live_job_and_status_shows_ever
     assert ledgers == [["1001"], ["1002"], ["1003", "1004"]]
     assert not list(runs.rglob("*.tmp"))
     # a duplicate queued beside the running job (e.g. submitted by hand) is shown, with the scancel that removes it
-    from slurm.jobs import record_job
-
     record_job(dirs[0], {"job_id": "1009", "kind": "train"})
     (cluster_env / "queue").write_text("1001 RUNNING\n1002 PENDING\n1004 PENDING\n1009 PENDING\n")
     assert sweep_main(args) == 0 and _submitted(capsys.readouterr().out) == []
@@ -248,6 +247,63 @@ def test_eval_sweep_covers_the_finished_runs(tmp_path: Path) -> None:
     assert "#SBATCH --gpus-per-node=1" in script and "#SBATCH --nodes=1" in script
 
 
+def _finished_training(runs: Path, n: int) -> list[Path]:
+    """The run directories of table5_noise's first ``n`` runs, finished (a checkpoint at their last step) by a
+    training job that is over."""
+    dirs = []
+    for i, job in enumerate(expand("table5_noise", seeds=1, runs_root=runs, overrides=[])[:n]):
+        (job.run_dir / "submit").mkdir(parents=True)
+        (job.run_dir / "submit" / "job.json").write_text(json.dumps({"total_steps": 4}))
+        (job.run_dir / "checkpoints" / "step_000000004").mkdir(parents=True)
+        record_job(job.run_dir, {"job_id": str(900 + i), "kind": "train"})
+        dirs.append(job.run_dir)
+    return dirs
+
+
+def test_the_eval_sweep_skips_runs_whose_evaluation_is_queued_or_running(
+        cluster_env: Path, capsys: pytest.CaptureFixture) -> None:
+    """``python -m slurm.sweep eval of=SWEEP`` twice submits each evaluation once while it is queued or running, and
+    again once it has ended; its jobs share the run's ledger with the training jobs, told apart by kind."""
+    runs = cluster_env / "runs"
+    dirs = _finished_training(runs, 2)
+    args = ["eval", "of=table5_noise", f"cluster.runs_root={runs}"]
+    assert sweep_main(args) == 0 and _submitted(capsys.readouterr().out) == ["1001", "1002"]
+    (cluster_env / "queue").write_text("1001 PENDING\n1002 RUNNING\n")
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    assert _submitted(out) == [] and "skip (pending: job 1001)" in out and "skip (running: job 1002)" in out
+    assert len((cluster_env / "sbatch.log").read_text().splitlines()) == 2
+    (cluster_env / "queue").write_text("1001 RUNNING\n")
+    (cluster_env / "accounting").write_text("1002 FAILED\n")
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    assert _submitted(out) == ["1003"] and "skip (running: job 1001)" in out
+    ledgers = [[(r["job_id"], r["kind"]) for r in recorded_jobs(d)] for d in dirs]
+    assert ledgers == [[("900", "train"), ("1001", "eval")], [("901", "train"), ("1002", "eval"), ("1003", "eval")]]
+    assert not (dirs[0] / "submit" / "config.json").exists()  # an evaluation freezes no training config
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sweep_stopped_while_sbatch_runs_records_the_accepted_job(tmp_path: Path, signum: int) -> None:
+    """A signal that arrives while sbatch submits (a ``kill``, a closed terminal) stops the sweep once the accepted
+    job is recorded: the next sweep command sees it and does not submit the run twice."""
+    tools = fake_tools(tmp_path)
+    sbatch = tools / "sbatch"
+    stop = f"#!/bin/bash\nkill -{int(signum)} $PPID; sleep 0.5\n"  # the signal reaches the sweep mid-submission
+    sbatch.write_text(sbatch.read_text().replace("#!/bin/bash\n", stop))
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "slurm.sweep", "table5_noise", f"cluster.runs_root={runs}",
+                           "trainer.max_steps=4"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s(120))
+    assert proc.returncode == -signum, proc.stderr[-2000:]
+    assert len((tmp_path / "sbatch.log").read_text().splitlines()) == 1  # stopped after the first submission
+    ledger = runs / "table5_noise" / "table5_learned" / "seed0" / "submit" / "jobs.jsonl"
+    assert ledger.is_file(), "the accepted job 1001 was not recorded"
+    assert [json.loads(x)["job_id"] for x in ledger.read_text().splitlines()] == ["1001"]
+    assert (ledger.parent / "train.sbatch").is_file() and (ledger.parent / "job.json").is_file()
+
+
 def test_multi_node_rendezvous_from_slurm_variables() -> None:
     assert expand_nodelist("gpu[01-03,7],login") == ["gpu01", "gpu02", "gpu03", "gpu7", "login"]
     env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "node[08-11]", "SLURM_NNODES": "4", "SLURM_NODEID": "2"}
@@ -325,6 +381,107 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
     assert rc == 75 and "resumed from" in out, out[-3000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= saved + 2
+
+
+def _stopped_run(root: Path, steps: list[int], every: int = 100, files: tuple[str, ...] = ()) -> Path:
+    """A run directory whose training logged ``steps`` (a torn line after them) at ``trainer.ckpt_every=every``,
+    with ``files`` under ``checkpoints/``."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import TrainConfig
+
+    run = root / f"run{len(list(root.glob('run*')))}"
+    run.mkdir(parents=True)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.trainer.ckpt_every = every
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "loss": 9.0 - n / 100}) + "\n" for n in steps)
+                                       + '{"step": 1')
+    for name in files:
+        (run / "checkpoints" / name).mkdir(parents=True)
+    return run
+
+
+def test_a_run_may_start_over_only_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """``restart_reason``: records within the first checkpoint interval and an empty ``checkpoints/`` (nothing was
+    saved, nothing can be lost) give a reason; a checkpoint of any kind, records past the interval (a checkpoint was
+    due: a person decides), checkpoints only at the end or on a signal, no records or no readable config give
+    None."""
+    from slurm.sweeps import restart_reason
+
+    run = _stopped_run(tmp_path, [1, 2, 3])
+    assert restart_reason(run) == f"{run} stopped at step 3, before its first checkpoint (every 100 steps), and " \
+                                   "holds no checkpoint"
+    (run / "checkpoints").mkdir()
+    assert restart_reason(run) is not None  # an empty folder, as a save that never began leaves it
+    assert restart_reason(_stopped_run(tmp_path, [50, 100])) is not None  # killed while saving the first one
+    for files in (("step_000000050",), (".tmp_step_000000100.ab12cd34",), ("step_000000100.corrupt",)):
+        assert restart_reason(_stopped_run(tmp_path, [50], files=files)) is None, files
+    assert restart_reason(_stopped_run(tmp_path, [100, 101])) is None
+    assert restart_reason(_stopped_run(tmp_path, [3], every=0)) is None
+    assert restart_reason(_stopped_run(tmp_path, [3], every=-1)) is None
+    assert restart_reason(_stopped_run(tmp_path, [])) is not None  # only a torn line: nothing of worth
+    bare = _stopped_run(tmp_path, [3])
+    (bare / "config.yaml").unlink()
+    assert restart_reason(bare) is None
+    (bare / "metrics.jsonl").write_text("")
+    assert restart_reason(bare) is None and restart_reason(tmp_path / "absent") is None
+
+
+def test_only_training_scripts_without_a_resume_setting_may_start_over(tmp_path: Path) -> None:
+    cluster = load_cluster(["gpus_per_node=1"])
+    train = Job("test", "train", "toy", 0, tmp_path / "toy", (*TOY, f"run_dir={tmp_path / 'toy'}"))
+    script = plan(train, cluster).script
+    assert "restart_reason" in script and script.rstrip().endswith(" $restart")
+    forced = Job("test", "train", "toy", 0, tmp_path / "toy", (*TOY, f"run_dir={tmp_path / 'toy'}", "resume=force"))
+    assert "restart" not in plan(forced, cluster).script.replace("KDN_MAX_REQUEUES", "")
+    evaluation = Job("test", "eval", "toy", 0, tmp_path / "toy", (f"model={tmp_path / 'toy'}",))
+    assert "restart" not in plan(evaluation, cluster).script.replace("KDN_MAX_REQUEUES", "")
+
+
+def test_a_job_killed_before_its_first_checkpoint_starts_over_when_run_again(tmp_path: Path,
+                                                                             shards: list[str]) -> None:
+    """The rendered batch script under fake srun/scontrol, killed with SIGKILL before its first checkpoint (a hard
+    failure: nothing saved): run again, as SLURM runs a requeued job, it starts the run over (the earlier records
+    set aside) instead of stopping to ask for ``resume=restart``."""
+    tools = fake_tools(tmp_path)
+    run = tmp_path / "runs" / "toy"
+    job = Job("test", "train", "toy", 0, run, tuple([*TOY, *shards, f"run_dir={run}", "trainer.max_steps=400",
+                                                     "trainer.ckpt_every=300"]))
+    script = tmp_path / "job.sbatch"
+    script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
+    env = _env(SLURM_JOB_ID="4444", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+               PATH=f"{tools}:{os.environ['PATH']}")
+    metrics = run / "metrics.jsonl"
+
+    def start(restarts: int) -> subprocess.Popen:
+        return subprocess.Popen(["bash", str(script)], env={**env, "SLURM_RESTART_COUNT": str(restarts)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait_for(proc: subprocess.Popen, n_lines: int) -> None:
+        deadline = time.time() + timeout_s(240)
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n_lines):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+
+    proc = start(0)
+    wait_for(proc, 2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=timeout_s(60)) == -signal.SIGKILL
+    assert not list(run.glob("checkpoints/step_*")) and len(metrics.read_text().splitlines()) >= 2
+    proc = start(1)
+    deadline = time.time() + timeout_s(240)
+    while not list(run.glob("metrics.*.jsonl")):  # the earlier records set aside: the new start began
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    wait_for(proc, 2)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    rc, out = proc.wait(timeout=timeout_s(240)), proc.communicate()[0]
+    assert rc == 75, out[-3000:]
+    assert f"batch shell: {run} stopped at step " in out and "starting it over (resume=restart)" in out
+    assert "starts over from step 0" in out
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x]
+    assert steps[:2] == [1, 2]
 
 
 def test_sweep_error_is_a_value_error() -> None:
