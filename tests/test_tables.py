@@ -49,7 +49,8 @@ def write_run(root: Path, name: str, *, size: str = "750m", mixer: str = "kda", 
     if lm is not None:
         accs = [lm[k] for k in LM_KEYS[2:] if k in lm]
         summary = {**lm, **({"avg": sum(accs) / 6} if len(accs) == 6 else {})}
-        suite("lm", {"wikitext": {"word_perplexity": lm.get("wiki_ppl")}}, summary, base_settings)
+        suite("lm", {"wikitext": {"word_perplexity": lm.get("wiki_ppl")}}, summary,
+              {**base_settings, "limit": None, "num_fewshot": 0})
     if ruler is not None:
         settings = {**base_settings, "samples_per_cell": 20, "haystack": {"source": "kjv", "sha256": "cd34"},
                     **(ruler_settings or {})}
@@ -57,7 +58,8 @@ def write_run(root: Path, name: str, *, size: str = "750m", mixer: str = "kda", 
               settings)
     if retrieval is not None:
         suite("retrieval", {t: {"score": s, "n": 50} for t, s in retrieval.items()}, {},
-              {**base_settings, "truncation": "jrt", "context_tokens": 2048, **(retrieval_settings or {})})
+              {**base_settings, "truncation": "jrt", "context_tokens": 2048, "limit": None, "max_new_tokens": 48,
+               **(retrieval_settings or {})})
     if metrics is not None:
         (run / "metrics.jsonl").write_text("\n".join(metrics))
     return run

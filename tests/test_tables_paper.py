@@ -1,6 +1,8 @@
-"""eval.tables beside the paper: our Table 2 / Table 3 rows sit beside the published ones only when they followed the
-paper's protocol (RULER on the essays; the JRT truncation at the paper's context), are marked and kept apart in every
-format otherwise; and each field of the comparability check refuses a mismatch on its own."""
+"""eval.tables beside the paper: our Table 1 / 2 / 3 rows sit beside the published ones only when they followed the
+paper's protocol (full lm-eval sets, zero-shot; RULER's 500 samples a cell and 128 new tokens on the essays identified
+by content; the JRT truncation at the paper's context, 48 new tokens, every document, the current task definitions),
+are marked and kept apart in every format otherwise, one off-protocol setting being enough; and each field of the
+comparability check refuses a mismatch on its own."""
 from __future__ import annotations
 
 import csv
@@ -15,22 +17,46 @@ from omegaconf import OmegaConf
 from test_tables import lm_values, ruler_values, write_run
 
 from eval.tables import TABLES, SettingsMismatch, Table, build_table, csv_text, find_runs, latex, markdown
-from eval.tables.paper import PAPER_CONTEXT_TOKENS, PAPER_TRUNCATION
+from eval.tables.paper import PAPER_CONTEXT_TOKENS, PAPER_SETTINGS, PAPER_TRUNCATION
 from eval.tables.specs import RETRIEVAL_TASKS
+from eval.tasks import VERSIONS
 
 KJV = {"name": "kjv", "source": "kjv", "sha256": "cd34", "paper": False}
 OLD_ESSAYS = {"source": "PaulGrahamEssays.json", "sha256": "9f1e"}  # an older file: no name, no paper flag
-ESSAYS = {"name": "paul_graham_essays", "source": "hub:baber/paul_graham_essays", "sha256": "9f1e", "paper": True}
-HAYSTACK_MARK = "not the paper's haystack"
+# an older record of a file called the paper's by its name alone: no check
+NAMED_ESSAYS = {"name": "essays", "source": "/data/PaulGrahamEssays.json", "sha256": "9f1e", "paper": True}
+ESSAYS = {"name": "essays", "source": "hub:baber/paul_graham_essays", "file": None, "bytes": 2_900_000,
+          "sha256": "9f1e", "documents": 215, "paper": True,
+          "check": "the hub dataset baber/paul_graham_essays, which lm-eval's RULER port reads (identified by its "
+                   "name)"}
+PAPER_RULER = {**PAPER_SETTINGS["ruler"], "haystack": ESSAYS}
+PAPER_RETRIEVAL = {**PAPER_SETTINGS["retrieval"], "tasks": dict(VERSIONS)}
+LM_MARK = "not the paper's lm-eval settings"
+RULER_MARK = "not the paper's RULER settings"
 RETRIEVAL_MARK = "not the paper's retrieval settings"
 APART = "The paper's published numbers"
 
 
-def ruler_runs(root: Path, haystack: dict[str, Any]) -> list:
-    """750M KDA (seeds 0, 1) and Diagonal KDN (seed 0) with every RULER cell, on ``haystack``."""
+def ruler_runs(root: Path, settings: dict[str, Any]) -> list:
+    """750M KDA (seeds 0, 1) and Diagonal KDN (seed 0) with every RULER cell, evaluated with ``settings``."""
     for name, mixer, seed, base in (("kda_s0", "kda", 0, 40.0), ("kda_s1", "kda", 1, 42.0),
                                     ("diag_s0", "kdn_diag", 0, 60.0)):
-        write_run(root, name, mixer=mixer, seed=seed, ruler=ruler_values(base), ruler_settings={"haystack": haystack})
+        write_run(root, name, mixer=mixer, seed=seed, ruler=ruler_values(base), ruler_settings=settings)
+    return find_runs(root)
+
+
+def lm_runs(root: Path, change: dict[str, Any] | str | None) -> list:
+    """750M KDA and Diagonal KDN with Table 1's values, at the paper's lm settings but for ``change`` (a dict of
+    values, or the name of a setting left unrecorded)."""
+    for name, mixer, wiki in (("kda", "kda", 18.9), ("diag", "kdn_diag", 18.6)):
+        run = write_run(root, name, mixer=mixer, lm=lm_values(wiki, 50.0))
+        path = run / "eval" / "lm.json"
+        body = json.loads(path.read_text())
+        if isinstance(change, dict):
+            body["settings"].update(change)
+        elif change is not None:
+            del body["settings"][change]
+        path.write_text(json.dumps(body))
     return find_runs(root)
 
 
@@ -87,20 +113,33 @@ def assert_placed(table: Table) -> None:
     assert "| Diagonal KDN |" in md and "not the paper's" not in md and APART not in md
 
 
-@pytest.mark.parametrize("haystack", [KJV, {"source": "kjv", "sha256": "cd34"}, OLD_ESSAYS],
-                         ids=["kjv", "kjv_older_file", "essays_older_file"])
+@pytest.mark.parametrize("haystack", [KJV, {"source": "kjv", "sha256": "cd34"}, OLD_ESSAYS, NAMED_ESSAYS],
+                         ids=["kjv", "kjv_older_file", "essays_older_file", "essays_by_name_only"])
 def test_table2_off_the_essays_is_marked_and_kept_apart_in_every_format(tmp_path: Path,
                                                                         haystack: dict[str, Any]) -> None:
-    table = build_table(TABLES["table2"], ruler_runs(tmp_path, haystack), paper=True)
-    assert_kept_apart(table, HAYSTACK_MARK)
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, {**PAPER_RULER, "haystack": haystack}), paper=True)
+    assert_kept_apart(table, RULER_MARK)
     assert any(f"RULER ran on {haystack.get('name') or haystack['source']}" in n for n in table.notes)
     assert "RULER ran on" in markdown(table).split("\n\n")[-1]  # the caption says why
     plain = build_table(TABLES["table2"], find_runs(tmp_path))  # without --paper the rows still say it
-    assert all(r.note == HAYSTACK_MARK for r in plain.groups[0].rows if r.kind == "ours" and any(r.cells.values()))
+    assert all(r.note == RULER_MARK for r in plain.groups[0].rows if r.kind == "ours" and any(r.cells.values()))
 
 
-def test_table2_on_the_essays_is_placed_beside_the_paper(tmp_path: Path) -> None:
-    table = build_table(TABLES["table2"], ruler_runs(tmp_path, ESSAYS), paper=True)
+@pytest.mark.parametrize("change", [{"samples_per_cell": 4}, {"max_new_tokens": 32}, "samples_per_cell",
+                                    "max_new_tokens"],
+                         ids=["samples", "new_tokens", "samples_unrecorded", "new_tokens_unrecorded"])
+def test_table2_off_the_papers_samples_or_new_tokens_is_kept_apart(tmp_path: Path, change: Any) -> None:
+    """On the essays, a run of the quick preset's 4 samples a cell or 32 new tokens is not the paper's protocol."""
+    settings = {**PAPER_RULER, **change} if isinstance(change, dict) else \
+        {k: v for k, v in PAPER_RULER.items() if k != change}
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, settings), paper=True)
+    assert_kept_apart(table, RULER_MARK)
+    key = change if isinstance(change, str) else next(iter(change))
+    assert any(key in n and "RULER ran on" not in n for n in table.notes), table.notes
+
+
+def test_table2_with_the_paper_protocol_is_placed_beside_the_paper(tmp_path: Path) -> None:
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, PAPER_RULER), paper=True)
     assert_placed(table)
     rows = [(r.label, r.kind) for r in table.groups[0].rows]
     i = rows.index(("Diagonal KDN", "ours"))
@@ -108,27 +147,43 @@ def test_table2_on_the_essays_is_placed_beside_the_paper(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("change", [{"truncation": "answer_window"}, {"context_tokens": PAPER_CONTEXT_TOKENS + 48},
-                                    "truncation", "context_tokens"],
-                         ids=["truncation", "context_tokens", "truncation_unrecorded", "context_unrecorded"])
+                                    {"limit": 50}, {"max_new_tokens": 32}, {"tasks": {**VERSIONS, "swde": 1.0}},
+                                    "truncation", "context_tokens", "limit", "max_new_tokens"],
+                         ids=["truncation", "context_tokens", "limit", "new_tokens", "older_swde",
+                              "truncation_unrecorded", "context_unrecorded", "limit_unrecorded",
+                              "new_tokens_unrecorded"])
 def test_table3_off_the_paper_protocol_is_marked_and_kept_apart(tmp_path: Path, change: Any) -> None:
-    base = {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS}
-    runs = retrieval_runs(tmp_path, {**base, **change} if isinstance(change, dict) else base,
+    runs = retrieval_runs(tmp_path, {**PAPER_RETRIEVAL, **change} if isinstance(change, dict) else PAPER_RETRIEVAL,
                           drop=change if isinstance(change, str) else None)
     table = build_table(TABLES["table3"], runs, paper=True)
     assert_kept_apart(table, RETRIEVAL_MARK)
     key = change if isinstance(change, str) else next(iter(change))
-    assert any(f"{key}=" in n for n in table.notes)
+    want = "swde at definition version 1.0 (the current one: 2.0)" if key == "tasks" else key
+    assert any(want in n for n in table.notes), table.notes
 
 
 def test_table3_with_the_paper_protocol_is_placed(tmp_path: Path) -> None:
-    runs = retrieval_runs(tmp_path, {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS})
-    assert_placed(build_table(TABLES["table3"], runs, paper=True))
+    assert PAPER_RETRIEVAL["truncation"] == PAPER_TRUNCATION and PAPER_RETRIEVAL["limit"] is None
+    assert_placed(build_table(TABLES["table3"], retrieval_runs(tmp_path, PAPER_RETRIEVAL), paper=True))
+
+
+@pytest.mark.parametrize("change", [{"limit": 50}, {"num_fewshot": 5}, "limit", "num_fewshot"],
+                         ids=["limit", "few_shot", "limit_unrecorded", "few_shot_unrecorded"])
+def test_table1_off_the_full_zero_shot_sets_is_kept_apart(tmp_path: Path, change: Any) -> None:
+    table = build_table(TABLES["table1"], lm_runs(tmp_path, change), paper=True)
+    assert_kept_apart(table, LM_MARK)
+    key = change if isinstance(change, str) else next(iter(change))
+    assert any(key in n for n in table.notes), table.notes
+
+
+def test_table1_with_the_paper_protocol_is_placed(tmp_path: Path) -> None:
+    assert_placed(build_table(TABLES["table1"], lm_runs(tmp_path, None), paper=True))
 
 
 # Every field of the comparability check, by suite; each alone must refuse a table that mixes two values of it.
 SUITE_TABLE = {"lm": "table1", "ruler": "table2", "retrieval": "table3"}
 FIELDS = [("lm", "max_length", 2048), ("lm", "limit", 50), ("lm", "num_fewshot", 5), ("lm", "tokenizer_sha256", "ff"),
-          ("ruler", "samples_per_cell", 500), ("ruler", "seed", 7), ("ruler", "haystack.sha256", "ef56"),
+          ("ruler", "samples_per_cell", 20), ("ruler", "seed", 7), ("ruler", "haystack.sha256", "ef56"),
           ("ruler", "tokenizer_sha256", "ff"), ("ruler", "max_new_tokens", 64),
           ("retrieval", "truncation", "answer_window"), ("retrieval", "context_tokens", 4096),
           ("retrieval", "limit", 50), ("retrieval", "max_new_tokens", 64), ("retrieval", "tokenizer_sha256", "ff")]
@@ -137,7 +192,7 @@ FIELDS = [("lm", "max_length", 2048), ("lm", "limit", 50), ("lm", "num_fewshot",
 def comparable_pair(root: Path) -> list[Path]:
     """Two runs (KDA and Diagonal KDN, 1.3B recurrent) with every suite, agreeing on every setting."""
     return [write_run(root, name, size="1.3b", mixer=mixer, lm=lm_values(16.0, 50.0), ruler=ruler_values(50.0),
-                      retrieval={t: 30.0 for t in RETRIEVAL_TASKS}, ruler_settings={"haystack": ESSAYS})
+                      retrieval={t: 30.0 for t in RETRIEVAL_TASKS}, ruler_settings=PAPER_RULER)
             for name, mixer in (("kda", "kda"), ("diag", "kdn_diag"))]
 
 

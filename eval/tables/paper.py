@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from eval.tasks.utils import VERSIONS
+
 PaperRows = dict[str, dict[str, float]]
 
 
@@ -60,27 +62,47 @@ BETA_EFF_MEANS = {"kda": 0.675, "kdn_diag mu=1": 0.943, "kdn_diag mu=sqrt": 0.89
                   "kdn_diag mu=4dk": 0.805}
 MU_INTERVENTION = {"1": 0.886, "sqrt": 0.873, "dk": 0.862, "4dk": 0.857}
 
-# The protocol behind the paper's Table 2 and Table 3 numbers (docs/protocol.md): our results sit beside them only
-# when they followed it. RULER's essay tasks read Paul Graham's essays (results record ``haystack.paper``); the cloze
-# tasks are windowed as the JRT fork's lm-eval harness windows them, in its 2,048-token window (``context_tokens``;
-# NQ's 2,000-token cut is derived from it, eval/tasks/utils.py).
+# The protocol behind the paper's numbers (docs/protocol.md §9): our results sit beside them only when they followed
+# it, every setting below recorded in the results with the paper's value (an unrecorded one is not the paper's).
+# Table 1, 4, 5: lm-eval's full task sets, zero-shot. Table 2: 500 samples a cell, 128 new tokens, RULER's essays
+# identified by content or by the hub dataset's name (results record ``haystack.paper`` and ``haystack.check``).
+# Table 3: the JRT fork's windows in its 2,048-token window (NQ's 2,000-token cut is derived from it,
+# eval/tasks/utils.py), 48 new tokens, every document, each task at its current definition version.
 PAPER_TRUNCATION = "jrt"
 PAPER_CONTEXT_TOKENS = 2048
-PAPER_MARKS = {"ruler": "not the paper's haystack", "retrieval": "not the paper's retrieval settings"}
+PAPER_SETTINGS: dict[str, dict[str, Any]] = {
+    "lm": {"limit": None, "num_fewshot": 0},
+    "ruler": {"samples_per_cell": 500, "max_new_tokens": 128},
+    "retrieval": {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS, "limit": None,
+                  "max_new_tokens": 48},
+}
+PAPER_MARKS = {"lm": "not the paper's lm-eval settings", "ruler": "not the paper's RULER settings",
+               "retrieval": "not the paper's retrieval settings"}
+
+
+def _haystack_gap(settings: dict[str, Any]) -> str | None:
+    hay = settings.get("haystack") or {}
+    name = hay.get("name") or hay.get("source") or "an unrecorded haystack"
+    if hay.get("paper") is not True:
+        return f"RULER ran on {name}, not Paul Graham's essays (set ruler.haystack to the essays)"
+    if not hay.get("check"):
+        return (f"RULER ran on {name}, recorded as the paper's without what identifies it (haystack.check); rerun "
+                "RULER to verify the essays by their content")
+    return None
 
 
 def paper_protocol_gap(suite: str, settings: dict[str, Any]) -> str | None:
     """Why results of ``suite`` evaluated with ``settings`` (a results file's ``settings`` block) are not comparable
     with the paper's numbers, or ``None`` when they are (or the paper prescribes nothing for that suite)."""
-    if suite == "ruler":
-        hay = settings.get("haystack") or {}
-        if hay.get("paper") is True:
-            return None
-        name = hay.get("name") or hay.get("source") or "an unrecorded haystack"
-        return f"RULER ran on {name}, not Paul Graham's essays (set ruler.haystack to the essays)"
+    if suite not in PAPER_SETTINGS:
+        return None
+    off = [f"{key} unrecorded (the paper's: {want!r})" if key not in settings else
+           f"{key}={settings[key]!r} (the paper's: {want!r})"
+           for key, want in PAPER_SETTINGS[suite].items() if key not in settings or settings[key] != want]
     if suite == "retrieval":
-        gaps = [f"{key}={settings.get(key)!r} (the paper's: {want!r})"
-                for key, want in (("truncation", PAPER_TRUNCATION), ("context_tokens", PAPER_CONTEXT_TOKENS))
-                if settings.get(key) != want]
-        return "retrieval ran with " + ", ".join(gaps) if gaps else None
-    return None
+        tasks = settings.get("tasks") or {}
+        off += [f"{t} at definition version {v!r} (the current one: {VERSIONS[t]!r})"
+                for t, v in sorted(tasks.items()) if t in VERSIONS and v != VERSIONS[t]]
+    gaps = [_haystack_gap(settings)] if suite == "ruler" else []
+    gaps.append(f"{suite} ran with " + ", ".join(off) if off else None)
+    return "; ".join(g for g in gaps if g) or None
