@@ -35,7 +35,6 @@ from models.layers.window_attention import block_mask_for, flex_windowed
 
 def layer_row(T: int, window: int, B: int, repeats: int, dense_max_T: int) -> dict:
     """fwd+bwd of the windowed layer (flex, dense up to ``dense_max_T``) and the full causal layer at ``T``."""
-    torch._dynamo.reset()  # each shape compiles afresh, far from Dynamo's recompile limit
     d, H, K = 2048, 16, 128
     x = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +61,7 @@ def core_row(T: int, window: int, B: int, repeats: int, flex: Callable[..., torc
     compiled), SDPA causal."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # the shapes compile afresh here, far from Dynamo's recompile limit
     H, K = 16, 128
     q, k, v = (torch.randn(B, H, T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
