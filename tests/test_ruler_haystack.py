@@ -55,7 +55,9 @@ def test_ruler_essays_are_recognised_by_their_text_not_their_name(tmp_path: Path
     named_only = tmp_path / "other" / "PaulGrahamEssays.json"  # RULER's name, not its text
     named_only.parent.mkdir()
     named_only.write_text(json.dumps({"text": "\n\n".join(ESSAYS)}))
-    a, b, c, d = (load_haystack(str(p)) for p in (ruler_file, renamed, plain, named_only))
+    a, b, c = (load_haystack(str(p)) for p in (ruler_file, renamed, plain))
+    with pytest.warns(UserWarning, match="has the name of RULER's essays file but not its text"):
+        d = load_haystack(str(named_only))
     assert a.words == b.words == c.words == tuple(text.split())
     check = a.describe()["check"]
     assert check.startswith("opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's order")
@@ -79,7 +81,8 @@ def test_the_real_opening_is_required_and_a_paper_haystack_says_why(tmp_path: Pa
     a haystack the paper's without saying what identifies it."""
     fake = tmp_path / "PaulGrahamEssays.json"
     fake.write_text(json.dumps({"text": "July 2010What hard liquor, cigarettes, heroin. " * 20_000}))
-    h = load_haystack(str(fake))
+    with pytest.warns(UserWarning, match="not the paper's haystack"):
+        h = load_haystack(str(fake))
     assert (h.name, h.paper, h.check) == ("file", False, None)
     assert (haystack.RULER_OPENING_CHARS, haystack.RULER_OPENING_ESSAYS) == (643_830, 49)
     with pytest.raises(ValueError, match="without a check"):

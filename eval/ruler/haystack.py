@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +225,11 @@ def _file(path: str) -> Haystack:
                              "{\"text\": \"...\"}")
         decoded = obj["text"]
     check = ruler_essays_check(decoded)
+    if check is None and p.name == ESSAYS_FILE:
+        warnings.warn(f"{path} has the name of RULER's essays file but not its text (it does not open with the "
+                      f"{RULER_OPENING_ESSAYS} gkamradt essays RULER's download puts first): it is recorded as an "
+                      "ordinary file, not the paper's haystack; download it again with RULER's script",
+                      stacklevel=3)
     return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest(), name="essays" if check else "file",
                               paper=check is not None, file=p.name, size=len(raw), check=check)
 
