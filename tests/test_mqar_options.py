@@ -22,6 +22,12 @@ ARMS = [["init=fla", "precision=bf16"], ["init=fla", "precision=fp32"], ["init=a
 @pytest.mark.parametrize(("arg", "message"), [
     ("lrs=0", "lrs=0 is out of range: it must be a non-empty list of positive finite float"),
     ("lrs=-1", "lrs=-1 is out of range"), ("lrs=nan", "lrs=nan is out of range"),
+    ("lrs=inf", "lrs=inf is out of range: it must be a non-empty list of positive finite float"),
+    ("lrs=1e-3,inf", "lrs=0.001,inf is out of range"), ("lrs=-inf", "lrs=-inf is out of range"),
+    ("eps=inf", "eps=inf is out of range: it must be a positive finite float"), ("eps=nan", "eps=nan is out"),
+    ("grad_clip=inf", "grad_clip=inf is out of range: it must be a positive finite float"),
+    ("power_a=inf", "power_a=inf is out of range: it must be a positive finite float"),
+    ("power_a=1e999", "power_a=inf is out of range"), ("weight_decay=inf", "weight_decay=inf is out of range"),
     ("widths=0", "widths=0 is out of range: it must be a non-empty list of positive int"),
     ("seeds=", "seeds= is out of range: it must be a non-empty list of int >= 0"), ("seeds=-1", "seeds=-1 is out"),
     ("threads=0", "threads=0 is out of range: it must be an int >= 1"),
@@ -46,6 +52,34 @@ def test_a_bad_option_is_refused_in_one_line_naming_it(arg: str, message: str) -
     with pytest.raises(ValueError) as err:
         parse_overrides(["preset=cpu", arg])
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["widths=65"], "mixer kdn_diag at width 65 (head_dim=64) cannot be built: width 65 is not a multiple of "
+                    "head_dim 64; pick widths that are"),
+    (["mixers=kda,attn", "widths=64,96"], "mixer kda at width 96 (head_dim=64) cannot be built"),
+    (["mixers=kda,mamba3_siso", "head_dim=4"], "mixer mamba3_siso at width 64 (head_dim=4) cannot be built: "
+                                               "state_size * rope_fraction = 1.0 gives no rotary angle"),
+    (["mixers=kdn_diag/memory=dplr", "precision=fp32"], "mixer kdn_diag/memory=dplr at width 64 (head_dim=64) "
+                                                        "cannot be built: precision='fp32' runs the asymmetric memory"),
+])
+def test_a_grid_with_a_model_that_cannot_be_built_is_refused_before_any_job(
+        args: list[str], message: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``(mixer, width)`` cell is built (on the meta device) up front with the grid's ``init`` and
+    ``precision``: a cell that cannot be built stops ``python -m eval.mqar`` in one line before any job runs or any
+    file is written (it used to fail every such job, advise a rerun that fails the same way and write an empty
+    results file)."""
+    from eval.mqar.__main__ import main
+
+    with pytest.raises(ValueError) as err:
+        parse_overrides(["preset=cpu", *args])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["preset=cpu", *args, f"out={tmp_path / 'out'}"])
+    assert str(stop.value) == f"eval.mqar: {err.value}"
+    assert list(tmp_path.iterdir()) == []
+    parse_overrides(["preset=cpu", "mixers=kda,attn", "widths=64,128", "head_dim=32"])  # these build
 
 
 def test_every_numeric_and_choice_option_has_a_range() -> None:

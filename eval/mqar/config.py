@@ -7,8 +7,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
+import models
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import PRECISIONS, Budget, MixerChoice, arm_suffix, check_curve
+from eval.mqar.train import PRECISIONS, Budget, MixerChoice, arm_suffix, check_curve, job_precision, model_config
 from models.configuration import INIT_RULES
 
 ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", "gdn", "deltanet", "gdn2",
@@ -214,6 +215,24 @@ def check(cfg: MQARConfig) -> None:
             raise ValueError(f"device={cfg.device} is not a device: use auto, cpu or cuda[:N]") from None
 
 
+def check_models(cfg: MQARConfig) -> None:
+    """Build the model of every ``(mixer, width)`` cell of the grid on the meta device (nothing is allocated) as its
+    jobs would, with the grid's ``init`` and the mixer's ``precision``: a one-line ``ValueError`` naming the first
+    cell that cannot be built (a width that ``head_dim`` does not divide, a mixer's own limits), before any job runs
+    or any file is written."""
+    for choice in cfg.mixer_choices():
+        precision = job_precision(choice.name, dict(choice.kwargs).get("precision", cfg.precision))
+        for width in cfg.widths:
+            try:
+                model = model_config(choice, width, cfg.head_dim, cfg.vocab_size, cfg.init, precision)
+                with torch.device("meta"):
+                    models.build_model(model)
+            except Exception as err:  # noqa: BLE001 - any builder's refusal, reported in one line
+                why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise ValueError(f"mixer {choice.label} at width {width} (head_dim={cfg.head_dim}) cannot be built: "
+                                 f"{why}") from None
+
+
 def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     """``["mixers=kdn_diag,kda", "widths=64", "preset=smoke"]`` -> the config (preset first, then the keys) and
     the explicit overrides. Lists are comma-separated; an unknown key raises naming the known ones."""
@@ -238,7 +257,7 @@ def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     check_curve(cfg.curve)
     cfg.budget()  # validates the settings, the budget and the mixers now, not after the first job
     cfg.scored_settings()
-    cfg.mixer_choices()
+    check_models(cfg)
     if not cfg.out:
         cfg.out = f"runs/mqar/{preset}"
     if not cfg.results:
