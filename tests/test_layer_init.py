@@ -52,3 +52,23 @@ def test_initial_retention_follows_kdas_distribution(alpha: str) -> None:
     # the layer hands the recurrence this gate at its initial values
     x = torch.randn(1, 5, D, dtype=torch.float64)
     assert rel_err(recurrence_inputs(layer, x)["g"], retention(front, x)) <= 1e-12
+
+
+def test_the_sigmoid_gates_bias_gives_each_head_its_own_A() -> None:
+    """``alpha_param="sigmoid"`` starts at ``alpha_0 = exp(-A_h dt_c)``, ``A_h`` per head and ``dt_c`` per channel,
+    as KDA's gate: from the same seed both gates draw the same ``A`` and ``dt``, so KDA's parameters give them back,
+    and each channel's decay ``-log alpha_0`` over its ``dt`` is its head's ``A``: one value for all channels of a
+    head, differing across heads as ``A`` does (``A`` repeated head after head along the channels would give a head
+    the values of several)."""
+    from kdn.modules import DeltaFrontEnd
+
+    heads, width = 4, 8
+    fronts = {}
+    for alpha in ("kda", "sigmoid"):
+        torch.manual_seed(3)
+        fronts[alpha] = DeltaFrontEnd(D, heads, width, alpha_param=alpha)
+    A = fronts["kda"].A_log.detach().double().exp()  # [H]
+    dt = F.softplus(fronts["kda"].dt_bias.detach().double())  # [H*K]
+    assert len(set(A.tolist())) == heads and A.max() - A.min() > 1
+    per_channel = (-F.logsigmoid(fronts["sigmoid"].gate_bias.detach().double()) / dt).view(heads, width)
+    torch.testing.assert_close(per_channel, A[:, None].expand(heads, width), rtol=1e-3, atol=0)
