@@ -8,10 +8,12 @@ perplexity and the overwrite probe, from one Hydra command (conf/eval/config.yam
     python evaluate.py model=runs/<name> suites=[beta_eff] beta_eff.shards=data/cache/<shards>
     python evaluate.py -m model=runs/a,runs/b hydra/launcher=slurm                   # a sweep on SLURM
 
-Each suite writes ``<run dir>/eval/<suite>.json`` (schema in eval/results.py) after every finished cell; a rerun
-skips finished suites and cells unless ``overwrite=true``. Evaluations of one model may run at once (a sweep, SLURM
-jobs): their cells merge into the same files, and a cell one of them is computing is not computed twice. Bad input
-exits with one line naming the fix.
+Each suite writes ``<run dir>/eval/<suite>.json`` (schema in eval/results.py) after every finished cell, with the
+SHA-256 of the weights it was computed on; a rerun skips the suites and cells finished on the same weights unless
+``overwrite=true`` (which recomputes its own cells only), and recomputes those of other weights (a continued run's
+new export). A checkpoint is verified against its manifest first, as a resume verifies it. Evaluations of one model
+may run at once (a sweep, SLURM jobs): their cells merge into the same files, and a cell one of them is computing is
+not computed twice. Bad input (an override key that the config lacks included) exits with one line naming the fix.
 """
 from __future__ import annotations
 
@@ -25,7 +27,14 @@ import data  # noqa: F401  (our packages load before the checkout leaves sys.pat
 import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
 from eval.harness import Unavailable, go_offline, load_model, quiet_lm_eval
-from eval.model_dir import full_attention_limit, model_metadata, resolve, training_context
+from eval.model_dir import (
+    full_attention_limit,
+    model_files_unchanged,
+    model_metadata,
+    resolve,
+    training_context,
+    weights_identity,
+)
 from eval.suites import Context, run_beta_eff, run_lm, run_ppl, run_retrieval
 
 ROOT = Path(__file__).resolve().parent
@@ -42,7 +51,8 @@ def _unshadow() -> None:
 
 
 def build_context(cfg: Any) -> Context:
-    """Resolve and load the model named by ``cfg.model``; everything the suites share."""
+    """Resolve and load the model named by ``cfg.model`` and hash the files it was loaded from; everything the
+    suites share."""
     import torch
 
     from data import load_tokenizer
@@ -55,7 +65,9 @@ def build_context(cfg: Any) -> Context:
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if cfg.device == "auto" else cfg.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if cfg.dtype == "auto" else cfg.dtype
-    model, hf_tok = load_model(target.hf_dir, device=device, dtype=dtype)
+    with model_files_unchanged(target.hf_dir):
+        weights = weights_identity(target.hf_dir)
+        model, hf_tok = load_model(target.hf_dir, device=device, dtype=dtype)
     if hf_tok.pad_token_id is None:  # left padding of batched prompts: pad with EOS, masked out
         hf_tok.pad_token = hf_tok.eos_token
     hf_tok.padding_side = "left"
@@ -63,8 +75,9 @@ def build_context(cfg: Any) -> Context:
                    device=torch.device(device), dtype=dtype,
                    max_length=int(cfg.max_length or training_context(target)),
                    attention_limit=full_attention_limit(model.config, target), model_meta=model_metadata(target, model),
-                   batch_size=int(cfg.batch_size), overwrite=bool(cfg.overwrite), log_samples=bool(cfg.log_samples),
-                   skip_unavailable=bool(cfg.skip_unavailable), progress=bool(cfg.progress))
+                   weights=weights, batch_size=int(cfg.batch_size), overwrite=bool(cfg.overwrite),
+                   log_samples=bool(cfg.log_samples), skip_unavailable=bool(cfg.skip_unavailable),
+                   progress=bool(cfg.progress))
 
 
 def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) -> str:
@@ -122,17 +135,56 @@ def run(cfg: Any) -> dict[str, Any]:
     return {"reports": reports, "skipped": dict(ctx.skipped)}
 
 
+def check_override_keys(args: list[str]) -> None:
+    """Refuse a command-line override whose key ``conf/eval/config.yaml`` lacks, plain or added (``+key``,
+    ``++key``), in one line with a did-you-mean, before Hydra composes: Hydra answers a plain typo by advising a
+    ``+``, and adds a ``+`` key that nothing reads. Flags, deletions (``~key``), config groups (``preset``,
+    ``hydra/launcher``) and ``hydra.*`` keys are left to Hydra.
+
+    Raises:
+        ValueError: ``ruler.sample_per_cell: unknown key (did you mean 'samples_per_cell'?)``.
+    """
+    from omegaconf import OmegaConf
+
+    from trainer.config import _did_you_mean
+
+    schema = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    for arg in args:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+")
+        parts = key.split(".")
+        if any(c in key for c in "@/") or parts[0] == "hydra" or key in groups:
+            continue
+        node: Any = {k: v for k, v in schema.items() if k not in ("defaults", "hydra")}
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict):  # below a value: Hydra's own error names it
+                break
+            if part not in node:
+                raise ValueError(_did_you_mean(".".join(parts[:i + 1]), set(node)))
+            node = node[part]
+
+
 def compose(overrides: list[str]) -> Any:
-    """The config ``python evaluate.py <overrides>`` would run (Hydra's compose API; for tests and scripts)."""
+    """The config ``python evaluate.py <overrides>`` would run (Hydra's compose API; for tests and scripts), its
+    override keys checked as the command line's are."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    check_override_keys(list(overrides))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def main() -> None:
     import hydra
+
+    try:
+        check_override_keys(sys.argv[1:])
+    except ValueError as e:
+        print(f"evaluate: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     def app(cfg: Any) -> None:

@@ -1,7 +1,8 @@
-"""What is being evaluated: a run directory, its ``hf/`` export, or one of its checkpoints (exported first).
+"""What is being evaluated: a run directory, its ``hf/`` export, or one of its checkpoints (verified, exported first).
 
 ``resolve(path)`` -> :class:`Target` (the run directory, the Hugging Face directory to load, where results go, the
-checkpoint step); ``model_metadata(target, model)`` -> the ``model`` block of every results file.
+checkpoint step); ``weights_identity(hf_dir)`` -> the ``weights`` block of every results file (what the numbers
+were computed on); ``model_metadata(target, model)`` -> the ``model`` block.
 """
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.results import file_lock, git_commit
-from trainer.checkpoint import write_json_atomic
+from data.shards import sha256_file
+from eval.results import file_lock, git_commit, sha256_text
+from trainer.checkpoint import MANIFEST, CheckpointError, load_pickle, verify, write_json_atomic
 
 log = logging.getLogger("evaluate")
 DEFAULT_MAX_LENGTH = 4096  # the paper's training context (docs/protocol.md §8)
 EXPORT_MANIFEST = "export.json"  # written last into a checkpoint's hf/ export: the export is complete
+# the files of a Hugging Face export that its numbers depend on (the tokenizer's SHA-256 is a setting of its own)
+MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+               "pytorch_model*.bin.index.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -43,37 +50,95 @@ def _run_config(run_dir: Path | None) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False) or {}
 
 
-def export_complete(hf_dir: Path) -> bool:
-    """Whether ``hf_dir`` is a finished checkpoint export: its ``export.json`` lists every file with its size."""
+def model_files(hf_dir: Path) -> list[Path]:
+    """The config and weight files of the export ``hf_dir`` (:data:`MODEL_FILES`), sorted."""
+    return sorted({p for pattern in MODEL_FILES for p in hf_dir.glob(pattern) if p.is_file()})
+
+
+def weights_identity(hf_dir: Path) -> dict[str, Any]:
+    """``{"sha256", "files"}``: the SHA-256 of each of the export's :func:`model_files` and one digest over them,
+    the identity of the weights a results file's cells were computed on. A pickled weights file is first loaded
+    weights-only, as a resume checks a checkpoint's: a refused one raises the ``CheckpointError`` naming it."""
+    paths = model_files(hf_dir)
+    for path in paths:
+        if path.suffix == ".bin":
+            load_pickle(path)
+    files = {p.name: sha256_file(p) for p in paths}
+    return {"sha256": sha256_text("".join(f"{name} {h}\n" for name, h in files.items())), "files": files}
+
+
+@contextmanager
+def model_files_unchanged(hf_dir: Path) -> Iterator[None]:
+    """Refuse (``ValueError``) when the export's model files are replaced or rewritten during the ``with`` block:
+    the weights hashed would not be the weights loaded (a training run exporting into the same folder)."""
+    def stamp() -> list[tuple[str, int, int, int]]:
+        return [(p.name, (st := p.stat()).st_ino, st.st_size, st.st_mtime_ns) for p in model_files(hf_dir)]
+
+    before = stamp()
+    yield
+    if stamp() != before:
+        raise ValueError(f"{hf_dir} changed while it was hashed and loaded (is a training run exporting into it?); "
+                         "rerun the evaluation once the export is written")
+
+
+def _verified_checkpoint(ckpt: Path) -> str:
+    """The SHA-256 of ``ckpt``'s manifest once the checkpoint passes it as a resume verifies it (every file's size
+    and SHA-256, a weights-only load of each pickle); else a one-line ``CheckpointError`` naming the file that
+    fails. The checkpoint is left in place: training's resume, not an evaluation, sets damaged ones aside."""
+    if not (ckpt / MANIFEST).is_file():
+        raise CheckpointError(f"{ckpt} has no {MANIFEST}: it is not a complete checkpoint (its save did not finish; "
+                              "training ignores it); evaluate another checkpoint")
+    problem = verify(ckpt)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {problem}; evaluate another checkpoint, or restore "
+                              f"this one from a copy (a resume of the run sets it aside as {ckpt.name}.corrupt)")
+    return sha256_file(ckpt / MANIFEST)
+
+
+def export_complete(ckpt: Path, manifest_sha256: str | None = None) -> bool:
+    """Whether ``ckpt/hf`` is a finished export of the checkpoint as it is now: its ``export.json`` names the
+    SHA-256 of the checkpoint's manifest (``manifest_sha256``, read from ``ckpt`` when not given) and every file
+    with its size and SHA-256."""
+    hf_dir = ckpt / "hf"
     try:
-        files = json.loads((hf_dir / EXPORT_MANIFEST).read_text())["files"]
-        return bool(files) and all((hf_dir / name).is_file() and (hf_dir / name).stat().st_size == size
-                                   for name, size in files.items())
+        record = json.loads((hf_dir / EXPORT_MANIFEST).read_text())
+        files = record["files"]
+        if not files or record["manifest_sha256"] != (manifest_sha256 or sha256_file(ckpt / MANIFEST)):
+            return False
+        if not all((hf_dir / name).is_file() and (hf_dir / name).stat().st_size == entry["size"]
+                   for name, entry in files.items()):
+            return False
+        return all(sha256_file(hf_dir / name) == entry["sha256"] for name, entry in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
 def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
-    """``<checkpoint>/hf`` from a checkpoint's weights and the run's config, exported once.
+    """``<checkpoint>/hf`` from a verified checkpoint's weights and the run's config, exported once per checkpoint.
 
-    The export is written under a temp name, given its ``export.json`` (file sizes) and renamed into place, under
-    ``<checkpoint>/.hf.lock`` so that concurrent evaluations export it once. An ``hf/`` without a matching
-    ``export.json`` (an export that was interrupted or damaged) is replaced."""
+    The checkpoint is verified first (:func:`_verified_checkpoint`). The export is written under a temp name, given
+    its ``export.json`` (the checkpoint manifest's SHA-256, each file's size and SHA-256) and renamed into place,
+    under ``<checkpoint>/.hf.lock`` so that concurrent evaluations export it once. An ``hf/`` without a matching
+    ``export.json`` (an export that was interrupted or damaged, or one of a checkpoint since saved again) is
+    replaced."""
+    digest = _verified_checkpoint(ckpt)
     out = ckpt / "hf"
-    if export_complete(out):
+    if export_complete(ckpt, digest):
         return out
     with file_lock(ckpt / ".hf.lock"):
-        if export_complete(out):  # exported by another evaluation while this one waited
+        if export_complete(ckpt, digest):  # exported by another evaluation while this one waited
             return out
         for stale in ckpt.glob(".hf.*.tmp"):  # left by an export that was killed (only the lock holder writes)
             shutil.rmtree(stale, ignore_errors=True)
         if out.exists():
-            log.warning(f"{out} is an incomplete export (interrupted or damaged); exporting the checkpoint again")
+            log.warning(f"{out} is an incomplete, damaged or stale export (interrupted, or the checkpoint was saved "
+                        "again); exporting the checkpoint again")
         staging = ckpt / f".hf.{os.getpid()}.tmp"
         _write_export(ckpt, run_dir, staging / "hf")
-        files = {str(p.relative_to(staging / "hf")): p.stat().st_size
+        files = {str(p.relative_to(staging / "hf")): {"size": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted((staging / "hf").rglob("*")) if p.is_file()}
-        write_json_atomic(staging / "hf" / EXPORT_MANIFEST, {"checkpoint": ckpt.name, "files": files})
+        write_json_atomic(staging / "hf" / EXPORT_MANIFEST, {"checkpoint": ckpt.name, "manifest_sha256": digest,
+                                                             "files": files})
         if out.exists():
             os.replace(out, staging / "old")
         os.replace(staging / "hf", out)
@@ -83,7 +148,6 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
 
 def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
     """Build the run's model, load the checkpoint's full weights and write a Hugging Face export to ``out``."""
-    import torch
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
@@ -104,7 +168,7 @@ def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
     tokenizer = load_tokenizer(tok_name)
     model = build_model(build_model_config(cfg, tokenizer.vocab_size))
     if weights[0].suffix == ".bin":
-        state = torch.load(weights[0], map_location="cpu", weights_only=True)
+        state = load_pickle(weights[0])
     else:
         from safetensors.torch import load_file
 
@@ -116,7 +180,8 @@ def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
 
 def resolve(path: str | Path) -> Target:
     """A run directory (uses ``hf/``), a Hugging Face export, or a checkpoint ``runs/<x>/checkpoints/step_N``
-    (exported to ``<checkpoint>/hf`` first; results under ``runs/<x>/eval/step_N``)."""
+    (verified against its manifest and exported to ``<checkpoint>/hf`` first; results under
+    ``runs/<x>/eval/step_N``). A checkpoint that fails its manifest is refused in one line (``CheckpointError``)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model={path}: no such directory; pass a run directory (runs/<name>), its hf/ "

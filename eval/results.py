@@ -1,17 +1,20 @@
 """The results files of the evaluation suites: ``<model dir>/eval/<suite>.json``, one schema for every suite.
 
-``{"schema", "suite", "model", "settings", "results", "summary", "wall_time_s", "date", "device", "versions"}``
-(fields in :func:`suite_payload`). Files are written through a temp file and a rename,
-so a crash never leaves a torn file; a suite's cells are written as they finish, and a rerun with the same
-settings continues from them. Concurrent evaluations of one model share the file through :class:`ResultsFile`:
-each finished cell is merged in under a lock, and a cell one process is computing is claimed, so that another
-skips it (and waits for it at the end) instead of computing it twice.
+``{"schema", "suite", "model", "weights", "settings", "results", "summary", "wall_time_s", "date", "device",
+"versions"}`` (fields in :func:`suite_payload`). Files are written through a temp file and a rename, so a crash
+never leaves a torn file; a suite's cells are written as they finish, and a rerun with the same settings on the same
+weights continues from them. ``weights`` (``{"sha256", "files"}``, see :func:`eval.model_dir.weights_identity`)
+names the weights every cell of the file was computed on: a file of other weights is never continued, its cells are
+recomputed and replace it whole, so no file (and no summary) mixes two models. Concurrent evaluations of one model
+share the file through :class:`ResultsFile`: each finished cell is merged in under a lock, and a cell one process
+is computing is claimed, so that another skips it (and waits for it at the end) instead of computing it twice.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -32,6 +35,7 @@ SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 NUMBER_SETTINGS = ("max_length", "samples_per_cell", "seed", "tokenizer_sha256", "haystack", "max_new_tokens",
                    "context_tokens", "truncation", "limit", "split", "seq_len", "shards", "n_seqs")
 ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("evaluate")
 
 
 def git_commit(root: Path = ROOT) -> str | None:
@@ -77,14 +81,15 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def suite_payload(suite: str, model: dict[str, Any], settings: dict[str, Any], results: dict[str, Any],
-                  summary: dict[str, Any], wall_time_s: float, device: str) -> dict[str, Any]:
-    """One results file: model metadata, the settings that produced the numbers, per-cell ``results``,
-    the ``summary`` row, wall time, date (UTC), device and package versions."""
+def suite_payload(suite: str, model: dict[str, Any], weights: dict[str, Any], settings: dict[str, Any],
+                  results: dict[str, Any], summary: dict[str, Any], wall_time_s: float, device: str) -> dict[str, Any]:
+    """One results file: model metadata, the identity of the weights every cell was computed on, the settings that
+    produced the numbers, per-cell ``results``, the ``summary`` row, wall time, date (UTC), device and package
+    versions."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: use one of {', '.join(SUITES)}")
-    return {"schema": SCHEMA, "suite": suite, "model": model, "settings": settings, "results": results,
-            "summary": summary, "wall_time_s": round(wall_time_s, 3),
+    return {"schema": SCHEMA, "suite": suite, "model": model, "weights": weights, "settings": settings,
+            "results": results, "summary": summary, "wall_time_s": round(wall_time_s, 3),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device, "versions": versions()}
 
 
@@ -93,20 +98,41 @@ def differing_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [k for k in NUMBER_SETTINGS if old.get(k) != new.get(k)]
 
 
-def load_previous(path: Path, settings: dict[str, Any], overwrite: bool) -> dict[str, Any]:
-    """The finished cells of an earlier run of this suite (``{}`` with ``overwrite`` or no file). A file written
-    with different number-changing settings is refused, naming them and the way out."""
-    if overwrite or not path.is_file():
-        return {}
+def weights_sha256(doc: dict[str, Any]) -> str | None:
+    """The SHA-256 of the weights a results file's cells were computed on (``None``: not recorded)."""
+    weights = doc.get("weights")
+    return weights.get("sha256") if isinstance(weights, dict) else None
+
+
+def _read_doc(path: Path) -> dict[str, Any] | None:
+    """The results file at ``path`` (``None`` when there is none); one that is not a JSON object is refused."""
     try:
-        old = json.loads(path.read_text())
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
     except json.JSONDecodeError:
-        raise ValueError(f"{path} is not valid JSON; move it away or pass overwrite=true") from None
-    diff = differing_settings(old.get("settings", {}), settings)
+        doc = None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} is not valid JSON; move it away or pass overwrite=true")
+    return doc
+
+
+def _other_settings(path: Path, diff: list[str]) -> str:
+    return (f"{path} was written with other settings ({', '.join(diff)}); pass overwrite=true to replace it, or "
+            "out_dir=<another folder> to keep both")
+
+
+def load_previous(path: Path, settings: dict[str, Any], overwrite: bool, weights: dict[str, Any]) -> dict[str, Any]:
+    """The finished cells of an earlier run of this suite that this one reuses: ``{}`` with ``overwrite``, without a
+    file, or when the file's cells were computed on other weights than ``weights``. A file written with different
+    number-changing settings is refused, naming them and the way out."""
+    doc = None if overwrite else _read_doc(path)
+    if doc is None:
+        return {}
+    diff = differing_settings(doc.get("settings", {}), settings)
     if diff:
-        raise ValueError(f"{path} was written with other settings ({', '.join(diff)}); pass overwrite=true to "
-                         "replace it, or out_dir=<another folder> to keep both")
-    return dict(old.get("results", {}))
+        raise ValueError(_other_settings(path, diff))
+    return dict(doc.get("results", {})) if weights_sha256(doc) == weights["sha256"] else {}
 
 
 @contextmanager
@@ -146,13 +172,17 @@ def _merge_settings(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 class ResultsFile:
     """``<out_dir>/<suite>.json`` as shared by every evaluation of one model, concurrent ones included.
 
-    ``add`` merges one finished cell into the file under ``.locks/<suite>.lock``: it re-reads the file, refuses it
-    if another process wrote it with other number-changing settings, adds the cell and writes through a temp file
-    and a rename. ``claim(cell)`` holds ``.locks/<suite>.<cell>.claim`` while the cell is computed."""
+    ``start`` reads the file once: its cells are this evaluation's to reuse when they were computed with the same
+    number-changing settings on the same weights; a file of other weights (or, with ``overwrite``, of other settings)
+    is marked to be replaced. ``add`` merges one finished cell into the file under ``.locks/<suite>.lock``: it
+    re-reads the file, keeps its cells of these settings and weights, drops those of the file being replaced, refuses
+    a file that another evaluation of other settings or weights has written since ``start``, and writes through a
+    temp file and a rename. ``claim(cell)`` holds ``.locks/<suite>.<cell>.claim`` while the cell is computed."""
 
-    def __init__(self, out_dir: Path, suite: str, settings: dict[str, Any]) -> None:
-        self.path, self.suite, self.settings = out_dir / f"{suite}.json", suite, settings
+    def __init__(self, out_dir: Path, suite: str, settings: dict[str, Any], weights: dict[str, Any]) -> None:
+        self.path, self.suite, self.settings, self.weights = out_dir / f"{suite}.json", suite, settings, weights
         self.locks = out_dir / ".locks"
+        self.replacing: dict[str, Any] | None = None  # the file found at start whose cells this evaluation replaces
 
     def lock(self) -> Any:
         """The lock every read-modify-write of this suite's files holds (a context manager)."""
@@ -163,35 +193,77 @@ class ResultsFile:
         safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", cell)[:80]
         return file_lock(self.locks / f"{self.suite}.{safe}.{sha256_text(cell)[:8]}.claim", wait=wait)
 
-    def start(self, overwrite: bool, samples: SampleLog) -> dict[str, Any]:
-        """The finished cells to continue from; with ``overwrite`` the old file and sample log are removed first,
-        so every cell found later was written by an evaluation running now."""
+    def _ours(self, doc: dict[str, Any]) -> bool:
+        """Whether ``doc``'s cells were computed with these number-changing settings on these weights."""
+        return not differing_settings(doc.get("settings", {}), self.settings) and \
+            weights_sha256(doc) == self.weights["sha256"]
+
+    def start(self, overwrite: bool) -> dict[str, Any]:
+        """The finished cells in the file computed with these settings on these weights (``overwrite`` recomputes
+        them all the same, leaving the file's other cells be). A file of other weights is replaced by this
+        evaluation's cells, said in one log line; one of other settings is refused, or replaced with ``overwrite``;
+        an unreadable one is refused, or removed with ``overwrite``."""
         with self.lock():
-            if overwrite:
-                self.path.unlink(missing_ok=True)
-                samples.clear()
-            return load_previous(self.path, self.settings, overwrite=False)
+            try:
+                doc = _read_doc(self.path)
+            except ValueError:
+                if not overwrite:
+                    raise
+                self.path.unlink()
+                return {}
+            if doc is None:
+                return {}
+            if self._ours(doc):
+                return dict(doc.get("results", {}))
+            diff = differing_settings(doc.get("settings", {}), self.settings)
+            if diff and not overwrite:
+                raise ValueError(_other_settings(self.path, diff))
+            self.replacing = doc
+            if not diff and doc.get("results"):
+                was = (weights_sha256(doc) or "unrecorded")[:12]
+                log.warning(f"{self.suite}: the {len(doc['results'])} cells of {self.path} were computed on other "
+                            f"weights (sha256 {was}; these are {self.weights['sha256'][:12]}); recomputing the ones "
+                            "asked for, the rest are dropped")
+            return {}
+
+    def _cells_of(self, doc: dict[str, Any] | None) -> dict[str, Any]:
+        """The cells of ``doc`` this evaluation keeps: all of a file of its settings and weights, none of the file
+        it replaces; a file of other settings or weights written since :meth:`start` is refused."""
+        if doc is None:
+            return {}
+        if self._ours(doc):
+            return dict(doc.get("results", {}))
+        was = self.replacing
+        if was is not None and not differing_settings(doc.get("settings", {}), was.get("settings", {})) and \
+                weights_sha256(doc) == weights_sha256(was):
+            return {}
+        diff = differing_settings(doc.get("settings", {}), self.settings)
+        if diff:
+            raise ValueError(_other_settings(self.path, diff))
+        raise ValueError(f"{self.path} was written meanwhile by an evaluation of other weights (sha256 "
+                         f"{(weights_sha256(doc) or 'unrecorded')[:12]}; these are {self.weights['sha256'][:12]}); "
+                         "evaluate one version of a model at a time, or pass out_dir=<another folder>")
 
     def read(self) -> dict[str, Any] | None:
-        """The file as it is now (``None`` when there is none); written by rename, so never torn."""
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
+        """The file as it is now when its cells are of these settings and weights, else ``None``; written by
+        rename, so never torn."""
+        doc = _read_doc(self.path)
+        return doc if doc is not None and self._ours(doc) else None
 
     def cells(self) -> dict[str, Any]:
-        """The finished cells in the file now, refusing a file written with other number-changing settings."""
-        return load_previous(self.path, self.settings, overwrite=False)
+        """The finished cells of these settings and weights in the file now (see :meth:`_cells_of`)."""
+        return self._cells_of(_read_doc(self.path))
 
     def add(self, cell: str, result: Any, rows: list[dict[str, Any]], samples: SampleLog,
             payload: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
         """Merge ``cell`` into the file as it is now; ``payload(results, settings)`` builds the file written.
         Returns that file."""
         with self.lock():
-            old = self.read() or {}
-            results = self.cells() | {cell: result}
-            doc = payload(results, _merge_settings(old.get("settings", {}), self.settings))
-            samples.write_cell(cell, rows)
+            old = _read_doc(self.path)
+            results = self._cells_of(old) | {cell: result}
+            kept = old.get("settings", {}) if old is not None and self._ours(old) else {}
+            doc = payload(results, _merge_settings(kept, self.settings))
+            samples.write_cell(cell, rows, set(results))
             write_json_atomic(self.path, doc)
         return doc
 
@@ -203,18 +275,16 @@ class SampleLog:
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path, self.enabled = path, enabled
 
-    def clear(self) -> None:
-        """Remove the log (a recomputation starts it afresh)."""
-        if self.enabled:
-            self.path.unlink(missing_ok=True)
-
-    def write_cell(self, cell: str, rows: list[dict[str, Any]]) -> None:
-        if not self.enabled:
+    def write_cell(self, cell: str, rows: list[dict[str, Any]], cells: set[str]) -> None:
+        """Replace ``cell``'s lines by ``rows`` (by none when the log is off) and drop the lines of cells not in
+        ``cells``, the cells of the results file (the others were computed on other weights or settings)."""
+        if not self.path.is_file() and not self.enabled:
             return
         kept = []
         if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["cell"] != cell]
-        lines = kept + [json.dumps({"cell": cell, **r}) for r in rows]
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line and (name := json.loads(line)["cell"]) != cell and name in cells]
+        lines = kept + ([json.dumps({"cell": cell, **r}) for r in rows] if self.enabled else [])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text("".join(line + "\n" for line in lines))

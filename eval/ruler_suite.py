@@ -70,7 +70,7 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
                 "haystack": haystack.describe(), "max_new_tokens": int(cfg.max_new_tokens),
                 "batch_size": ctx.batch_size, "dtype": ctx.dtype, "tasks": {t: 1.0 for t in cfg.tasks},
                 "cells": list(by_name)}
-    done = load_previous(ctx.target.out_dir / "ruler.json", settings, ctx.overwrite)
+    done = load_previous(ctx.target.out_dir / "ruler.json", settings, ctx.overwrite, ctx.weights)
     todo = [name for name in by_name if name not in done]
     bar = tqdm(total=n * len(todo), desc="ruler", unit="sample", disable=not ctx.progress, dynamic_ncols=True)
 

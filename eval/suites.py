@@ -3,7 +3,7 @@ shard perplexity), ``beta_eff`` (the overwrite probe); ``ruler`` (Table 2) is in
 
 Every suite is a list of cells (lm-eval tasks, retrieval tasks, RULER cells, shard splits) run by
 :func:`run_cells`, which merges each finished cell into ``<out_dir>/<suite>.json`` and skips the cells an earlier
-or concurrent run with the same settings finished or is computing.
+or concurrent run with the same settings on the same weights finished or is computing.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class Context:
     max_length: int  # lm-eval's context (default: the training context)
     attention_limit: int | None  # a full-attention model's trained context, else None
     model_meta: dict[str, Any]
+    weights: dict[str, Any]  # eval.model_dir.weights_identity of what was loaded: {"sha256", "files"}
     batch_size: int = 8
     overwrite: bool = False
     log_samples: bool = False
@@ -63,25 +64,27 @@ def run_cells(ctx: Context, suite: str, settings: dict[str, Any], cells: list[st
 
     ``run_cell(cell)`` -> ``(result, per-sample rows)``; a cell whose data is unreachable raises
     :class:`Unavailable`, which is recorded in ``ctx.skipped`` when ``ctx.skip_unavailable`` (else re-raised).
-    A cell that another evaluation of this model is computing is skipped, then waited for at the end (and computed
-    here if that evaluation died first). ``bar=False`` leaves the progress bar to the suite (RULER counts samples).
-    Returns the results file as it stands at the end."""
-    store = ResultsFile(ctx.target.out_dir, suite, settings)
+    Cells finished on other weights (``ctx.weights``) are computed again; with ``ctx.overwrite`` every cell is, and
+    the file's other cells stay. A cell that another evaluation of this model is computing is skipped, then waited
+    for at the end (and computed here if that evaluation died first). ``bar=False`` leaves the progress bar to the
+    suite (RULER counts samples). Returns the results file as it stands at the end."""
+    store = ResultsFile(ctx.target.out_dir, suite, settings, ctx.weights)
     samples = SampleLog(ctx.target.out_dir / f"{suite}.samples.jsonl", ctx.log_samples)
-    results = store.start(ctx.overwrite, samples)
-    todo = [c for c in cells if c not in results]
+    before = store.start(ctx.overwrite)
+    todo = list(cells) if ctx.overwrite else [c for c in cells if c not in before]
     if len(todo) < len(cells):
         log.info(f"{suite}: {len(cells) - len(todo)} of {len(cells)} {unit}s already in {store.path}")
     t0 = time.perf_counter()
 
     def payload(done: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
         ordered = {c: done[c] for c in cells if c in done} | {c: v for c, v in done.items() if c not in cells}
-        return suite_payload(suite, ctx.model_meta, merged, ordered, summarize(ordered),
+        return suite_payload(suite, ctx.model_meta, ctx.weights, merged, ordered, summarize(ordered),
                              time.perf_counter() - t0, device_name(ctx.device))
 
     def compute(cell: str) -> None:
-        if cell in store.cells():  # finished by another evaluation since this one started
-            return
+        now = store.cells()
+        if cell in now and (cell not in before or now[cell] != before[cell]):
+            return  # finished by another evaluation since this one started
         try:
             result, rows = run_cell(cell)
         except Unavailable as e:

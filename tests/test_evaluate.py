@@ -17,6 +17,7 @@ from data import PrepareConfig, TokenLoader, prepare
 from eval.harness import ACC_METRIC, Unavailable, load_model, load_task, table1_row, task_manager
 from eval.model_dir import resolve
 from eval.overwrite import probe_beta_eff
+from trainer.checkpoint import write_manifest
 
 MC_TASK = """task: kdn_local_mc
 dataset_path: json
@@ -162,6 +163,7 @@ def test_a_checkpoint_is_exported_then_evaluated(tmp_path: Path) -> None:
             p.mul_(1.5)
     torch.save(model.state_dict(), ckpt / "pytorch_model.bin")
     (ckpt / "train_state.json").write_text(json.dumps({"step": 10}))
+    write_manifest(ckpt)
     target = resolve(ckpt)
     assert target.step == 10 and target.out_dir == run / "eval" / "step_000000010" and target.run_dir == run
     again, _ = load_model(target.hf_dir, device="cpu")

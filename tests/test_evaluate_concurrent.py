@@ -1,6 +1,6 @@
 """Concurrent evaluations of one model share its results files: every finished cell of every process ends in the
-file, a cell is computed once even when two processes ask for it, and a cell claimed by a process that dies is
-taken over (real processes, a stubbed cell function)."""
+file, a cell is computed once even when two processes ask for it, a cell claimed by a process that dies is taken
+over (real processes, a stubbed cell function), and ``overwrite=true`` replaces only the cells it recomputes."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from eval.suites import Context, run_cells
 
 SETTINGS = {"max_length": 64, "seed": 0, "samples_per_cell": 3}
 SPAWN = mp.get_context("spawn")  # a clean interpreter per process, as two evaluate.py commands are
+WEIGHTS = {"sha256": "5e" * 32, "files": {}}
 
 
 def _evaluate(out_dir: str, cells: list[str], log: str, start: Any = None, claimed: Any = None,
@@ -28,7 +29,7 @@ def _evaluate(out_dir: str, cells: list[str], log: str, start: Any = None, claim
     and writing what ``run_cells`` returned to ``<log>.json``. ``claimed`` is set once a cell is being computed."""
     ctx = Context(target=Target(Path(out_dir), None, Path(out_dir)), model=None, hf_tokenizer=None, tokenizer=None,
                   device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
-                  model_meta={"name": "toy"}, progress=False)
+                  model_meta={"name": "toy"}, weights=WEIGHTS, progress=False)
 
     def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         with open(log, "a") as f:
@@ -110,7 +111,7 @@ def test_a_file_written_meanwhile_with_other_settings_is_refused(tmp_path: Path)
     out.mkdir()
     ctx = Context(target=Target(out, None, out), model=None, hf_tokenizer=None, tokenizer=None,
                   device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
-                  model_meta={"name": "toy"}, progress=False)
+                  model_meta={"name": "toy"}, weights=WEIGHTS, progress=False)
 
     def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         other = {"settings": {**SETTINGS, "samples_per_cell": 500}, "results": {"x@1": {"score": 1.0}}}
@@ -120,3 +121,36 @@ def test_a_file_written_meanwhile_with_other_settings_is_refused(tmp_path: Path)
     with pytest.raises(ValueError, match=r"written with other settings \(samples_per_cell\)"):
         run_cells(ctx, "ruler", dict(SETTINGS), ["y@1"], run_cell, lambda res: {})
     assert json.loads((out / "ruler.json").read_text())["results"] == {"x@1": {"score": 1.0}}
+
+
+def test_an_overwrite_started_meanwhile_replaces_only_the_cells_it_recomputes(tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    first, second = ["a@1", "b@1", "c@1"], ["c@1", "d@1"]
+    computed: list[tuple[str, str]] = []
+
+    def ctx(overwrite: bool) -> Context:
+        return Context(target=Target(out, None, out), model=None, hf_tokenizer=None, tokenizer=None,
+                       device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
+                       model_meta={"name": "toy"}, weights=WEIGHTS, overwrite=overwrite, log_samples=True,
+                       progress=False)
+
+    def run(who: str, cells: list[str], overwrite: bool) -> dict[str, Any]:
+        def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            computed.append((who, cell))
+            if (who, cell) == ("first", "b@1"):  # a second evaluation, with overwrite=true, starts meanwhile
+                run("second", second, overwrite=True)
+            return {"score": 1.0 + len(computed), "by": who}, [{"index": 0, "prediction": who}]
+
+        return run_cells(ctx(overwrite), "ruler", dict(SETTINGS), cells, run_cell, lambda res: {"cells": len(res)})
+
+    run("earlier", ["a@1", "c@1", "e@1"], overwrite=False)
+    run("first", first, overwrite=True)
+    assert computed == [("earlier", "a@1"), ("earlier", "c@1"), ("earlier", "e@1"), ("first", "a@1"),
+                        ("first", "b@1"), ("second", "c@1"), ("second", "d@1")]  # "b@1" is the first's; "c@1"
+    # was computed by the second after the first started, so the first does not compute it again
+    final = json.loads((out / "ruler.json").read_text())
+    assert {c: r["by"] for c, r in final["results"].items()} == {"a@1": "first", "b@1": "first", "c@1": "second",
+                                                                 "d@1": "second", "e@1": "earlier"}
+    rows = [json.loads(x) for x in (out / "ruler.samples.jsonl").read_text().splitlines()]
+    assert {r["cell"]: r["prediction"] for r in rows} == {c: r["by"] for c, r in final["results"].items()}
+    assert len(rows) == 5

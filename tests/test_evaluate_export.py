@@ -1,5 +1,5 @@
-"""A checkpoint's Hugging Face export: an export that was interrupted (by a kill, a full disk) or damaged is never
-loaded; the next evaluation replaces it with a complete one."""
+"""A checkpoint's Hugging Face export: an export that was interrupted (by a kill, a full disk) or damaged (a size or
+a SHA-256 that differs from its export.json) is never loaded; the next evaluation replaces it with a complete one."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ from eval_fixtures import export_toy_run
 
 from eval.harness import load_model
 from eval.model_dir import EXPORT_MANIFEST, export_complete, resolve
+from trainer.checkpoint import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 # an evaluation killed (SIGKILL) while it writes the export: after the weights, before the tokenizer files
@@ -39,6 +40,7 @@ def checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     ckpt = run / "checkpoints" / "step_000000010"
     ckpt.mkdir(parents=True)
     torch.save(model.state_dict(), ckpt / "pytorch_model.bin")
+    write_manifest(ckpt)
     return ckpt, model
 
 
@@ -58,20 +60,25 @@ def test_a_partial_export_is_replaced_not_loaded(checkpoint: tuple[Path, torch.n
     (partial / "config.json").write_text((run / "hf" / "config.json").read_text())
     (partial / "model.safetensors").write_bytes((run / "hf" / "model.safetensors").read_bytes()[:4096])
     target = resolve(ckpt)
-    assert target.hf_dir == partial and export_complete(partial)
+    assert target.hf_dir == partial and export_complete(ckpt)
     assert _rel_err(target.hf_dir, model) < 1e-6
     manifest = json.loads((partial / EXPORT_MANIFEST).read_text())
-    assert manifest["files"]["model.safetensors"] == (partial / "model.safetensors").stat().st_size > 4096
-    assert sorted(p.name for p in ckpt.iterdir()) == [".hf.lock", "hf", "pytorch_model.bin"]  # nothing left aside
+    assert manifest["files"]["model.safetensors"]["size"] == (partial / "model.safetensors").stat().st_size > 4096
+    assert sorted(p.name for p in ckpt.iterdir()) == [".hf.lock", "hf", "manifest.json", "pytorch_model.bin"]
 
 
 def test_a_damaged_file_of_a_finished_export_is_detected(checkpoint: tuple[Path, torch.nn.Module]) -> None:
     ckpt, model = checkpoint
     hf = resolve(ckpt).hf_dir
-    assert export_complete(hf)
+    assert export_complete(ckpt)
     with open(hf / "model.safetensors", "r+b") as f:
         f.truncate(1000)
-    assert not export_complete(hf)
+    assert not export_complete(ckpt)
+    assert resolve(ckpt).hf_dir == hf and _rel_err(hf, model) < 1e-6
+    data = bytearray((hf / "model.safetensors").read_bytes())
+    data[-64:] = bytes(b ^ 0xFF for b in data[-64:])  # damaged in place, its size unchanged
+    (hf / "model.safetensors").write_bytes(bytes(data))
+    assert not export_complete(ckpt)
     assert resolve(ckpt).hf_dir == hf and _rel_err(hf, model) < 1e-6
 
 
@@ -81,8 +88,8 @@ def test_an_evaluation_killed_while_exporting_leaves_nothing_loadable(
     proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(ckpt)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout_s(300))
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert not export_complete(ckpt / "hf")
+    assert not export_complete(ckpt)
     assert any(ckpt.glob(".hf.*.tmp"))  # the half-written export, under its temp name
     target = resolve(ckpt)
-    assert export_complete(target.hf_dir) and _rel_err(target.hf_dir, model) < 1e-6
+    assert export_complete(ckpt) and _rel_err(target.hf_dir, model) < 1e-6
     assert not any(ckpt.glob(".hf.*.tmp"))

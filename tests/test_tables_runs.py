@@ -42,7 +42,8 @@ def write_demo(root: Path, config: str) -> Path:
              "mixer_options": {"mu": "dk", "noise": "learned", "alpha_param": "kda"}, "parameters": 20_100_000,
              "tokens_trained": 122880, "seed": 0, "step": 120}
     settings = {"lengths": [1024, 2048], "samples_per_cell": 20, "seed": 0, "haystack": KJV, "max_new_tokens": 128}
-    body = suite_payload("ruler", model, settings, {c: {"score": s, "n": 20} for c, s in DEMO_CELLS.items()},
+    body = suite_payload("ruler", model, {"sha256": "d3" * 32, "files": {}}, settings,
+                         {c: {"score": s, "n": 20} for c, s in DEMO_CELLS.items()},
                          {"mean": sum(DEMO_CELLS.values()) / 8, "cells": 8}, 300.0, "cpu")
     (run / "eval" / "ruler.json").write_text(json.dumps(body))
     return run

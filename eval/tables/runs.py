@@ -146,6 +146,24 @@ def _identity_from_result(res: dict[str, Any], path: Path) -> tuple[Experiment, 
 UNREADABLE = (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException)
 
 
+def _drop_other_weights(run: Path, results: dict[str, dict[str, Any]], files: dict[str, Path],
+                        skipped: list[str] | None) -> None:
+    """Leave out the suites computed on other weights (``weights.sha256``) than the run's newest results file (the
+    export was replaced since they ran), one line each, so that a run's row never joins two models' numbers."""
+    def sha(suite: str) -> str:
+        weights = results[suite].get("weights")
+        return str((weights.get("sha256") if isinstance(weights, dict) else None) or "unrecorded")
+
+    if not results:
+        return
+    newest = max(results, key=lambda s: str(results[s].get("date") or ""))
+    for suite in [s for s in results if sha(s) != sha(newest)]:
+        report(skipped, f"skipped {files[suite]}: computed on other weights (sha256 {sha(suite)[:12]}) than the newest "
+                        f"results of {run} ({newest}.json, sha256 {sha(newest)[:12]}); rerun evaluate.py "
+                        f"suites=[{suite}] on it")
+        del results[suite]
+
+
 def load_run(path: Path, skipped: list[str] | None = None) -> Run | None:
     """A run from its directory (``config.yaml`` and/or ``eval/*.json``, ``metrics.jsonl`` if present). Results
     written beside the export (``hf/eval/*.json``) count too; where both hold a suite, the run's own is used.
@@ -154,6 +172,7 @@ def load_run(path: Path, skipped: list[str] | None = None) -> Run | None:
     (see :func:`report`): a results file drops its suite, ``metrics.jsonl`` its training records, ``config.yaml``
     the whole run (``None``)."""
     results: dict[str, dict[str, Any]] = {}
+    files: dict[str, Path] = {}
     for p in [*sorted((path / "hf" / "eval").glob("*.json")), *sorted((path / "eval").glob("*.json"))]:
         if p.stem not in SUITES:
             continue
@@ -164,7 +183,8 @@ def load_run(path: Path, skipped: list[str] | None = None) -> Run | None:
             continue
         if p.parent.parent == path and p.stem in results:
             report(skipped, f"{path}: both eval/{p.stem}.json and hf/eval/{p.stem}.json exist; using the first")
-        results[p.stem] = res
+        results[p.stem], files[p.stem] = res, p
+    _drop_other_weights(path, results, files, skipped)
     if not (path / "config.yaml").is_file() and not results:
         report(skipped, f"skipped {path}: no readable config.yaml or eval/<suite>.json")
         return None
