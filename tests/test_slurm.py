@@ -281,6 +281,11 @@ def test_the_eval_sweep_skips_runs_whose_evaluation_is_queued_or_running(
     ledgers = [[(r["job_id"], r["kind"]) for r in recorded_jobs(d)] for d in dirs]
     assert ledgers == [[("900", "train"), ("1001", "eval")], [("901", "train"), ("1002", "eval"), ("1003", "eval")]]
     assert not (dirs[0] / "submit" / "config.json").exists()  # an evaluation freezes no training config
+    # the status of the evaluations: 1003 is neither queued nor in the accounting: ended, no record of how
+    assert status_main(args) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[1:4] + r[-1:] for r in rows] == [["running", "1001", "RUNNING", "1001:RUNNING"],
+                                               ["ended", "1003", "-", "1002:FAILED,1003:?"]]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
