@@ -28,7 +28,7 @@ from slurm.sweeps import ROOT, Job, SweepError, is_finished
 PAPER_VOCAB = 32_000  # the FLOPs estimate of the timeout check assumes the paper's vocabulary
 # the batch shell's test of slurm.sweeps.restart_reason: prints the reason and exits 0 when the run may start over
 RESTART_CHECK = ("import sys; from slurm.sweeps import restart_reason; why = restart_reason(sys.argv[1]); "
-                 "print(why or ''); sys.exit(0 if why else 1)")
+                 "print(why) if why else sys.exit(1)")
 
 
 @dataclass
