@@ -26,6 +26,7 @@ from typing import Any
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
 import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
+from eval.generation import resolve_batch_size
 from eval.harness import Unavailable, go_offline, load_model, quiet_lm_eval
 from eval.model_dir import (
     full_attention_limit,
@@ -65,6 +66,7 @@ def build_context(cfg: Any) -> Context:
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if cfg.device == "auto" else cfg.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if cfg.dtype == "auto" else cfg.dtype
+    batch_size = resolve_batch_size(cfg.batch_size, device)  # a bad value stops the run before the model loads
     with model_files_unchanged(target.hf_dir):
         weights = weights_identity(target.hf_dir)
         model, hf_tok = load_model(target.hf_dir, device=device, dtype=dtype)
@@ -75,7 +77,7 @@ def build_context(cfg: Any) -> Context:
                    device=torch.device(device), dtype=dtype,
                    max_length=int(cfg.max_length or training_context(target)),
                    attention_limit=full_attention_limit(model.config, target), model_meta=model_metadata(target, model),
-                   weights=weights, batch_size=int(cfg.batch_size), overwrite=bool(cfg.overwrite),
+                   weights=weights, batch_size=batch_size, overwrite=bool(cfg.overwrite),
                    log_samples=bool(cfg.log_samples), skip_unavailable=bool(cfg.skip_unavailable),
                    progress=bool(cfg.progress))
 

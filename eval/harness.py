@@ -83,11 +83,35 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def make_lm(model: Any, tokenizer: Any, *, batch_size: int, max_length: int) -> Any:
-    """lm-eval's ``HFLM`` over a loaded model object, with an explicit ``max_length``."""
+def make_lm(model: Any, tokenizer: Any, *, batch_size: int | str, max_length: int) -> Any:
+    """lm-eval's ``HFLM`` over a loaded model object, with an explicit ``max_length``.
+
+    ``batch_size="auto"`` is lm-eval's own search: before a task's requests, the largest batch of at most 64 rows
+    (HFLM's ``max_batch_size``) of the longest request that runs five forwards, 10% fewer rows after each
+    out-of-memory error. The sizes it settles on are appended to ``lm.detected_batch_sizes`` (see
+    :func:`evaluate_task`)."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    lm.detected_batch_sizes = []
+    detect = lm._detect_batch_size
+
+    def recorded(*args: Any, **kwargs: Any) -> int:
+        size = detect(*args, **kwargs)
+        lm.detected_batch_sizes.append(size)
+        return size
+
+    lm._detect_batch_size = recorded  # HFLM calls it through the instance, for every request type
+    return lm
+
+
+def batch_used(lm: Any, since: int = 0) -> int | str | list[int]:
+    """The batch size ``lm`` (from :func:`make_lm`) ran at: its fixed size, or the sizes lm-eval's ``auto`` chose
+    after the first ``since`` (one int when they agree, else the distinct sizes; ``"auto"`` when none ran)."""
+    sizes = sorted(set(getattr(lm, "detected_batch_sizes", [])[since:]))
+    if not sizes:
+        return lm.batch_size
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def task_manager(include_path: str | Path | None = None, metadata: dict[str, Any] | None = None,
@@ -119,17 +143,22 @@ def load_task(manager: Any, name: str) -> dict[str, Any]:
 
 
 def evaluate_task(lm: Any, task: dict[str, Any], manager: Any, *, limit: int | None = None,
-                  log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, list[dict]]]:
-    """Run loaded tasks; ``({task: {metric: value, "n": documents}}, {task: [per-sample records]})``."""
+                  log_samples: bool = False) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict]]]:
+    """Run loaded tasks; ``({task: {metric: value, "n": documents, "batch_size": batch_used}},
+    {task: [per-sample records]})``."""
     from lm_eval import simple_evaluate
 
+    since = len(getattr(lm, "detected_batch_sizes", []))
     out = simple_evaluate(model=lm, tasks=list(task.values()), limit=limit, bootstrap_iters=0,
                           log_samples=log_samples, task_manager=manager)
-    metrics = {t: {m.split(",")[0]: float(v) for m, v in res.items() if isinstance(v, (int, float))
-                   and not isinstance(v, bool)} for t, res in out["results"].items()}
+    metrics: dict[str, dict[str, Any]] = {
+        t: {m.split(",")[0]: float(v) for m, v in res.items() if isinstance(v, (int, float))
+            and not isinstance(v, bool)} for t, res in out["results"].items()}
     for t, counts in (out.get("n-samples") or {}).items():
         if t in metrics:
             metrics[t]["n"] = int(counts.get("effective", counts.get("original", 0)))
+    for row in metrics.values():
+        row["batch_size"] = batch_used(lm, since)
     samples = {t: [sample_record(s, t) for s in rows] for t, rows in (out.get("samples") or {}).items()}
     return metrics, samples
 

@@ -3,19 +3,24 @@
 The samples come from :mod:`eval.ruler` (each derived from its own seed, so every model sees the same ones); the
 prompts of a cell are decoded greedily in length-sorted, left-padded batches over the model's cache
 (:func:`eval.generation.greedy_generate`), at most ``max_new_tokens`` tokens, stopping at EOS. A cell's score is
-RULER's ``string_match_all`` (x100); the summary is the equal-weight mean over the cells run.
+RULER's ``string_match_all`` (x100); the summary is the equal-weight mean over the cells run. With
+``batch_size=auto`` on CUDA, the cells of one context length share one :class:`eval.generation.BatchSearch`, which
+sizes their batches in place (at most a cell's samples each); every cell records the rows of its batches.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tqdm import tqdm
 
-from eval.generation import greedy_generate
+from eval.generation import BatchSearch, greedy_generate
 from eval.model_dir import check_context
 from eval.results import load_previous, sha256_text
 from eval.ruler.haystack import Haystack
 from eval.suites import Context, run_cells
+
+log = logging.getLogger("evaluate")
 
 
 def ruler_cells(tasks: list[str], lengths: list[int]) -> list[tuple[str, int]]:
@@ -52,7 +57,9 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
     written as soon as it finishes.
 
     The settings record ``haystack`` (``{"name", "source", "sha256", "paper"}``), ``lengths`` (the cells' token
-    budgets: prompt + ``max_new_tokens`` <= length) and ``max_new_tokens``; lm-eval's ``max_length`` plays no part.
+    budgets: prompt + ``max_new_tokens`` <= length), ``max_new_tokens`` and ``batch_size`` (an int or ``"auto"``);
+    lm-eval's ``max_length`` plays no part. A cell records ``batch_sizes``, the rows of each of its batches in
+    decoding order (longest prompts first), which is how its prompts were grouped.
     """
     from eval import ruler
 
@@ -73,6 +80,14 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
     done = load_previous(ctx.target.out_dir / "ruler.json", settings, ctx.overwrite, ctx.weights)
     todo = [name for name in by_name if name not in done]
     bar = tqdm(total=n * len(todo), desc="ruler", unit="sample", disable=not ctx.progress, dynamic_ncols=True)
+    searches: dict[int, BatchSearch] = {}  # batch_size=auto: one per context length, for this run
+
+    def batches(length: int) -> int | BatchSearch:
+        if isinstance(ctx.batch_size, int):
+            return ctx.batch_size
+        if length not in searches:
+            searches[length] = BatchSearch(cap=n)
+        return searches[length]
 
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task, length = by_name[name]
@@ -80,15 +95,26 @@ def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
                                       seed=int(cfg.seed), max_new_tokens=int(cfg.max_new_tokens))
         prompts = [tok(s["prompt"])["input_ids"] for s in samples]
         bar.set_postfix_str(name)
+        sizes: list[int] = []
+
+        def counted(rows: int) -> None:
+            sizes.append(rows)
+            bar.update(rows)
+
+        plan = batches(length)
+        searching = isinstance(plan, BatchSearch) and not plan.done
         gens = greedy_generate(ctx.model, prompts, max_new_tokens=int(cfg.max_new_tokens), stop_ids={eos},
-                               pad_id=pad, batch_size=ctx.batch_size, on_batch=bar.update)
+                               pad_id=pad, batch_size=plan, on_batch=counted)
+        if searching and plan.done:
+            rates = ", ".join(f"{b}: {r:.1f}" for b, r in sorted(plan.rates.items()))
+            log.info(f"ruler: batches of {plan.size} for the {length}-token cells (samples/s by batch: {rates})")
         preds = [ruler.postprocess(tok.decode(g, skip_special_tokens=True)) for g in gens]
         refs = [s["answers"] for s in samples]
         rows = [{"index": s["index"], "prompt_sha256": sha256_text(s["prompt"]), "answers": s["answers"],
                  "prediction": p, "score": ruler.string_match_all([p], [s["answers"]]), "depth": s["depth"],
                  "prompt_tokens": len(ids)} for s, p, ids in zip(samples, preds, prompts)]
         return {"score": ruler.string_match_all(preds, refs), "n": len(samples),
-                "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)}, rows
+                "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), "batch_sizes": sizes}, rows
 
     def summarize(res: dict[str, Any]) -> dict[str, Any]:  # every cell in the file, this run's and earlier ones
         scores = [r["score"] for r in res.values()]

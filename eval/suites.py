@@ -48,7 +48,7 @@ class Context:
     attention_limit: int | None  # a full-attention model's trained context, else None
     model_meta: dict[str, Any]
     weights: dict[str, Any]  # eval.model_dir.weights_identity of what was loaded: {"sha256", "files"}
-    batch_size: int = 8
+    batch_size: int | str = 8  # "auto" (CUDA): each suite sizes its own batches (eval.generation.resolve_batch_size)
     overwrite: bool = False
     log_samples: bool = False
     skip_unavailable: bool = False
@@ -164,7 +164,8 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
         versions[name] = _task_version(task)
         metrics, samples = evaluate_task(lm, task, manager, limit=cfg.limit, log_samples=ctx.log_samples)
         m = metrics[f"kdn_{name}"]
-        return {"score": 100 * m["contains"], "n": m["n"]}, samples.get(f"kdn_{name}", [])
+        return ({"score": 100 * m["contains"], "n": m["n"], "batch_size": m["batch_size"]},
+                samples.get(f"kdn_{name}", []))
 
     def summarize(res: dict[str, Any]) -> dict[str, Any]:
         done = [res[t]["score"] for t in RETRIEVAL_TASKS if t in res]

@@ -1,12 +1,12 @@
-"""Batched greedy decoding over the decoding cache: left-padded batches equal batch size 1 and the uncached
-reference, and the prefix runs once."""
+"""Batched greedy decoding over the decoding cache: left-padded batches (fixed, or grown by a batch search) equal
+batch size 1 and the uncached reference, and the prefix runs once."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import models
-from eval.generation import greedy_generate, left_pad
+from eval.generation import BatchSearch, greedy_generate, left_pad
 
 
 @pytest.mark.parametrize("mixer,pattern", [("kdn_diag", "recurrent"), ("attn", "recurrent"),
@@ -71,3 +71,19 @@ def test_batched_generation_equals_batch_size_1_on_cuda(pattern: str) -> None:
     batched = greedy_generate(model, prompts, max_new_tokens=16, stop_ids={2}, pad_id=0, batch_size=5)
     single = greedy_generate(model, prompts, max_new_tokens=16, stop_ids={2}, pad_id=0, batch_size=1)
     assert batched == single
+
+
+@pytest.mark.gpu
+def test_a_batch_search_on_cuda_decodes_as_a_fixed_batch() -> None:
+    """batch_size=auto's in-place search (growing batches, each in a CUDA graph of its own bucket) gives every prompt
+    the tokens that batches of one give it (FP32 weights)."""
+    torch.manual_seed(0)
+    model = models.build_model(models.model_config("toy", "kdn_diag", "recurrent", vocab_size=300)).cuda().eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist()
+               for n in torch.randint(1, 300, (21,), generator=g).tolist()]
+    search, ran = BatchSearch(start=1, cap=8), []
+    auto = greedy_generate(model, prompts, max_new_tokens=8, stop_ids={2}, pad_id=0, batch_size=search,
+                           on_batch=ran.append)
+    assert auto == greedy_generate(model, prompts, max_new_tokens=8, stop_ids={2}, pad_id=0, batch_size=1)
+    assert sum(ran) == 21 and ran[:2] == [1, 1] and max(ran) > 1

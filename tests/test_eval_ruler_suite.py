@@ -1,6 +1,7 @@
 """The RULER runner (Table 2) end to end: a model that emits the queried value scores 100, one that emits nothing
 scores 0; cells are written as they finish and a rerun continues after a crash; the results name their haystack;
-the paper preset stops before loading a model when the essays cannot be reached."""
+the paper preset stops before loading a model when the essays cannot be reached; every cell records its batches,
+and with ``batch_size=auto`` on CUDA the cells of one context length share one batch search."""
 from __future__ import annotations
 
 import hashlib
@@ -17,6 +18,7 @@ from eval_fixtures import export_toy_run, oracle_from
 import eval.ruler_suite
 import evaluate
 from data import load_tokenizer
+from eval.generation import BatchSearch
 from eval.ruler import load_haystack
 
 TOK = load_tokenizer("mistral-v1")
@@ -83,7 +85,8 @@ def test_right_answers_score_100_and_silence_scores_0(right: bool, run_dir: Path
     assert {r["score"] for r in rep["results"].values()} == {100.0 if right else 0.0}
     assert rep["summary"] == {"mean": 100.0 if right else 0.0, "cells": 2}
     s = rep["settings"]
-    assert s["samples_per_cell"] == 3 and s["max_new_tokens"] == 16
+    assert s["samples_per_cell"] == 3 and s["max_new_tokens"] == 16 and s["batch_size"] == 2
+    assert all(r["batch_sizes"] == [2, 1] for r in rep["results"].values())  # 3 samples, batch_size=2
     assert s["haystack"] == load_haystack(haystack).describe()
     assert (s["haystack"]["name"], s["haystack"]["paper"]) == (("essays", True) if right else ("kjv", False))
     assert s["lengths"] == [1024] and "max_length" not in s  # the cells' budgets, not lm-eval's context
@@ -162,3 +165,28 @@ def test_paper_preset_without_the_essays_stops_before_a_model_loads(run_dir: Pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert done.value.code == 2 and len(lines) == 1 and all(fix in lines[0] for fix in FIXES), lines
     assert not (tmp_path / "ruler.json").exists()
+
+
+def test_auto_batches_are_8_on_the_cpu_and_one_search_per_context_length_on_cuda(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_oracle(monkeypatch, lambda ids: TOK.encode(" " + queried_value(ids)))
+    args = [a for a in _args(run_dir, tmp_path / "cpu") if not a.startswith("batch_size=")]
+    rep = evaluate.run(evaluate.compose(args))["reports"]["ruler"]
+    assert rep["settings"]["batch_size"] == 8 and [r["batch_sizes"] for r in rep["results"].values()] == [[3], [3]]
+    made: list[BatchSearch] = []
+
+    class FromOne(BatchSearch):  # from 1 row, so that 3 samples a cell show the search's progress
+        def __init__(self, cap: int) -> None:
+            super().__init__(start=1, cap=cap)
+            made.append(self)
+
+    monkeypatch.setattr(eval.ruler_suite, "BatchSearch", FromOne)
+    monkeypatch.setattr(evaluate, "resolve_batch_size", lambda value, device: "auto")  # as on CUDA
+    args = [a.replace(str(tmp_path / "cpu"), str(tmp_path / "cuda")).replace("[1024]", "[1024,2048]")
+            for a in args]
+    rep = evaluate.run(evaluate.compose(args))["reports"]["ruler"]
+    assert rep["settings"]["batch_size"] == "auto" and len(made) == 2 and all(s.cap == 3 for s in made)
+    # 1 row twice (measured), then 2: the second cell of a length continues its first cell's search
+    assert {c: r["batch_sizes"] for c, r in rep["results"].items()} == {
+        "niah_single_1@1024": [1, 1, 1], "niah_single_1@2048": [1, 1, 1],
+        "niah_multikey_1@1024": [2, 1], "niah_multikey_1@2048": [2, 1]}
