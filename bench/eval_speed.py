@@ -1,14 +1,18 @@
 """Evaluation speed: the full RULER grid, the cloze suite and Table-1-shaped lm-eval requests for a random-weight
-model (default: the 750M Diagonal KDN in bf16 on CUDA).
+model (default: the 750M Diagonal KDN in bf16 on CUDA), at evaluate.py's default batch sizes (``auto``).
 
     python -m bench.eval_speed                       # H200: prints a table, writes bench/results/eval_speed.json
+    python -m bench.eval_speed --parts ruler         # the RULER grid alone (14 cells x 500 samples, 128 tokens)
     python -m bench.eval_speed --size toy --samples-per-cell 2 --cloze-docs 2 --lm-scale 0.001 --out /tmp/x.json
 
 Random weights never stop early, so every RULER prompt decodes all 128 tokens and every cloze prompt all 48: the
 times are upper bounds for a trained model. Each part reports its wall time and where it goes (sample building,
 prefill forwards, one-token decode forwards). The cloze documents are synthetic, each at the 2,048-token cap the
 suite truncates to; the lm-eval requests have the test splits' document counts with typical context lengths
-(``LM_SHAPES``, approximate lengths).
+(``LM_SHAPES``, approximate lengths). ``--batch-size auto`` sizes the RULER batches as the suite does (one
+:class:`eval.generation.BatchSearch` per context length, in place); each cell records its batches, and the report
+gives each length's search (samples/s by batch size). The RULER part's ``wall_s`` (sample building included, model
+loading not) is the number to compare with the grid's time budget.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch
 
 import models
 from data import load_tokenizer
-from eval.generation import greedy_generate
+from eval.generation import AUTO, BatchSearch, greedy_generate, resolve_batch_size
+from eval.harness import batch_used, make_lm
 from eval.results import device_name, versions
 from trainer.checkpoint import write_json_atomic
 
@@ -86,41 +91,50 @@ def _filler(tok: Any, n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, tok.vocab_size) for _ in range(n)]
 
 
-def bench_ruler(model: Any, tok: Any, clock: ForwardClock, cells: list[str], n: int, batch_size: int,
-                eos: int, new_tokens: int = 128) -> dict[str, Any]:
-    """Every cell: build ``n`` samples (eval.ruler), decode them as the ruler suite does."""
+def bench_ruler(model: Any, tok: Any, clock: ForwardClock, cells: list[str], n: int, batch_size: int | str,
+                eos: int, new_tokens: int = 128, haystack: str | None = None) -> dict[str, Any]:
+    """Every cell: build ``n`` samples (eval.ruler, on ``haystack``: default the KJV), decode them as the ruler
+    suite does (``batch_size="auto"``: a :class:`BatchSearch` per context length, capped at ``n``)."""
     from eval import ruler
 
-    haystack = ruler.load_haystack(None)
+    hay = ruler.load_haystack(haystack)
+    searches: dict[int, BatchSearch] = {}
     rows, t_all = {}, time.perf_counter()
     for cell in cells:
         task, length = cell.split("@")
         t0 = time.perf_counter()
-        samples = ruler.build_samples(task, int(length), n, tokenizer=tok, haystack=haystack)
+        samples = ruler.build_samples(task, int(length), n, tokenizer=tok, haystack=hay)
         built = time.perf_counter() - t0
         prompts = [tok.encode(s["prompt"]) for s in samples]
-        row: dict[str, float] = {"samples": n, "build_s": built,
+        row: dict[str, Any] = {"samples": n, "build_s": built,
                                  "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)}
+        if batch_size == AUTO and int(length) not in searches:
+            searches[int(length)] = BatchSearch(cap=n)
+        plan = searches[int(length)] if batch_size == AUTO else batch_size
+        sizes: list[int] = []
         t1 = time.perf_counter()
         with clock.part(row):
             greedy_generate(model, prompts, max_new_tokens=new_tokens, stop_ids={eos}, pad_id=eos,
-                            batch_size=batch_size)
+                            batch_size=plan, on_batch=sizes.append)
         row["generate_s"] = time.perf_counter() - t1
+        row["batch_sizes"] = sizes
         rows[cell] = row
-        print(f"  ruler {cell:<22} {row['generate_s']:8.1f} s  ({n / row['generate_s']:.1f} samples/s)", flush=True)
+        print(f"  ruler {cell:<22} {row['generate_s']:8.1f} s  ({n / row['generate_s']:.1f} samples/s, "
+              f"batches {sorted(set(sizes), reverse=True)})", flush=True)
     total = time.perf_counter() - t_all
     return {"cells": rows, "samples": n * len(cells), "wall_s": total,
-            "samples_per_s": n * len(cells) / total,
+            "samples_per_s": n * len(cells) / total, "haystack": hay.describe()["name"],
+            "searches": {str(length): {"batch_size": s.size, "done": s.done,
+                                       "samples_per_s": {str(b): r for b, r in sorted(s.rates.items())}}
+                         for length, s in sorted(searches.items())},
             **{k: sum(r[k] for r in rows.values()) for k in ("build_s", "prefill_s", "decode_s")}}
 
 
-def _hflm(model: Any, hf_tok: Any, batch_size: int, max_length: int) -> Any:
-    from eval.harness import make_lm
-
+def _hflm(model: Any, hf_tok: Any, batch_size: int | str, max_length: int) -> Any:
     return make_lm(model, hf_tok, batch_size=batch_size, max_length=max_length)
 
 
-def bench_cloze(model: Any, hf_tok: Any, clock: ForwardClock, docs: int, batch_size: int,
+def bench_cloze(model: Any, hf_tok: Any, clock: ForwardClock, docs: int, batch_size: int | str,
                 doc_tokens: int = 2048) -> dict[str, Any]:
     """Six tasks x ``docs`` synthetic documents of ``doc_tokens`` (the suite's 2,048-token cap), greedy through
     HFLM, 48 tokens."""
@@ -137,11 +151,12 @@ def bench_cloze(model: Any, hf_tok: Any, clock: ForwardClock, docs: int, batch_s
         with clock.part(row):
             lm.generate_until(reqs, disable_tqdm=True)
     row["wall_s"] = time.perf_counter() - t0
+    row["batch_size"] = batch_used(lm)
     return {"documents": docs * len(CLOZE_TASKS), "document_tokens": doc_tokens, **row,
             "documents_per_s": docs * len(CLOZE_TASKS) / row["wall_s"]}
 
 
-def bench_lm(model: Any, hf_tok: Any, clock: ForwardClock, scale: float, batch_size: int,
+def bench_lm(model: Any, hf_tok: Any, clock: ForwardClock, scale: float, batch_size: int | str,
              max_length: int, wikitext_tokens: int = WIKITEXT_TOKENS) -> dict[str, Any]:
     """Table 1's log-likelihood requests (``LM_SHAPES`` x ``scale`` documents) and WikiText's rolling windows."""
     from lm_eval.api.instance import Instance
@@ -170,7 +185,17 @@ def bench_lm(model: Any, hf_tok: Any, clock: ForwardClock, scale: float, batch_s
         lm.loglikelihood_rolling(reqs, disable_tqdm=True)
     row["wall_s"] = time.perf_counter() - t1
     tasks["wikitext"] = row
-    return {"tasks": tasks, "scale": scale, "max_length": max_length, "wall_s": time.perf_counter() - t0}
+    return {"tasks": tasks, "scale": scale, "max_length": max_length, "batch_size": batch_used(lm),
+            "wall_s": time.perf_counter() - t0}
+
+
+def _batch_arg(text: str) -> int | str:
+    """``--batch-size``'s value: ``auto`` or a positive int."""
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive int")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -180,8 +205,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pattern", default="recurrent")
     ap.add_argument("--samples-per-cell", type=int, default=500)
     ap.add_argument("--cells", default="all", help="'all' (the 14 cells) or comma-separated task@length")
-    ap.add_argument("--batch-size", type=int, default=64, help="RULER prompts per batch")
-    ap.add_argument("--lm-batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=_batch_arg, default=AUTO,
+                    help="RULER prompts per batch, or auto (evaluate.py's default: searched per context length)")
+    ap.add_argument("--lm-batch-size", type=_batch_arg, default=AUTO, help="HFLM's batch size, or auto (lm-eval's)")
+    ap.add_argument("--haystack", default=None, help="RULER's haystack (as ruler.haystack; default the KJV)")
     ap.add_argument("--cloze-docs", type=int, default=1000, help="synthetic documents per cloze task")
     ap.add_argument("--lm-scale", type=float, default=1.0, help="fraction of Table 1's documents")
     ap.add_argument("--max-length", type=int, default=4096)
@@ -193,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch_size, lm_batch_size = (resolve_batch_size(b, device) for b in (args.batch_size, args.lm_batch_size))
     torch.manual_seed(0)
     model = models.build_model(models.model_config(args.size, args.mixer, args.pattern, vocab_size=32000))
     model = model.to(device=device, dtype=dtype).eval()
@@ -212,14 +240,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "model": {"size": args.size, "mixer": args.mixer, "pattern": args.pattern,
                              "parameters": sum(p.numel() for p in model.parameters())},
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
-                   "commit": versions()["kdn"], "batch_size": args.batch_size, "lm_batch_size": args.lm_batch_size,
+                   "commit": versions()["kdn"], "batch_size": batch_size, "lm_batch_size": lm_batch_size,
                    "ruler_new_tokens": args.ruler_new_tokens, "samples_per_cell": args.samples_per_cell}}
     parts = args.parts.split(",")
     runs = {
-        "ruler": lambda: bench_ruler(model, tok, clock, cells, args.samples_per_cell, args.batch_size, tok.eos_id,
-                                     args.ruler_new_tokens),
-        "cloze": lambda: bench_cloze(model, hf_tok, clock, args.cloze_docs, args.lm_batch_size, args.cloze_tokens),
-        "lm": lambda: bench_lm(model, hf_tok, clock, args.lm_scale, args.lm_batch_size, args.max_length,
+        "ruler": lambda: bench_ruler(model, tok, clock, cells, args.samples_per_cell, batch_size, tok.eos_id,
+                                     args.ruler_new_tokens, args.haystack),
+        "cloze": lambda: bench_cloze(model, hf_tok, clock, args.cloze_docs, lm_batch_size, args.cloze_tokens),
+        "lm": lambda: bench_lm(model, hf_tok, clock, args.lm_scale, lm_batch_size, args.max_length,
                                args.wikitext_tokens),
     }
     if set(parts) - set(runs):
