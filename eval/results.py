@@ -124,7 +124,8 @@ def _other_settings(path: Path, diff: list[str]) -> str:
 
 def load_previous(path: Path, settings: dict[str, Any], overwrite: bool, weights: dict[str, Any]) -> dict[str, Any]:
     """The finished cells of an earlier run of this suite that this one reuses: ``{}`` with ``overwrite``, without a
-    file, or when the file's cells were computed on other weights than ``weights``. A file written with different
+    file, or when the file's cells were computed on other weights than ``weights``; never a task's cell computed at
+    another version of its definition than ``settings["tasks"]`` names. A file written with different
     number-changing settings is refused, naming them and the way out."""
     doc = None if overwrite else _read_doc(path)
     if doc is None:
@@ -132,7 +133,17 @@ def load_previous(path: Path, settings: dict[str, Any], overwrite: bool, weights
     diff = differing_settings(doc.get("settings", {}), settings)
     if diff:
         raise ValueError(_other_settings(path, diff))
-    return dict(doc.get("results", {})) if weights_sha256(doc) == weights["sha256"] else {}
+    if weights_sha256(doc) != weights["sha256"]:
+        return {}
+    cells = dict(doc.get("results", {}))
+    old, new = doc.get("settings", {}).get("tasks"), settings.get("tasks")
+    if isinstance(old, dict) and isinstance(new, dict):  # a task whose definition changed is computed again
+        stale = sorted(c for c in cells if c in new and old.get(c) != new[c])
+        if stale:
+            log.info("%s: recomputing %s, computed at other task definition versions (%s)", path, ", ".join(stale),
+                     ", ".join(f"{c} {old.get(c)!r} -> {new[c]!r}" for c in stale))
+        cells = {c: v for c, v in cells.items() if c not in stale}
+    return cells
 
 
 @contextmanager

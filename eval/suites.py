@@ -147,7 +147,7 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     unknown = [t for t in cfg.tasks if t not in RETRIEVAL_TASKS]
     if unknown:
         raise ValueError(f"unknown retrieval task(s) {unknown}: use {list(RETRIEVAL_TASKS)}")
-    from eval.tasks import MAX_GEN_TOKENS, TRUNCATION, prompt_budget
+    from eval.tasks import MAX_GEN_TOKENS, TRUNCATION, VERSIONS, prompt_budget
 
     context = int(cfg.context_tokens)
     prompt_budget(context)  # a window too small for any document stops here, before the model runs
@@ -157,7 +157,8 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     manager = task_manager(None, metadata, defaults=False)
     # the prompts are cut to `context - MAX_GEN_TOKENS` tokens already: HFLM must not cut them again
     lm = make_lm(ctx.model, ctx.hf_tokenizer, batch_size=ctx.batch_size, max_length=context + MAX_GEN_TOKENS)
-    versions: dict[str, Any] = {}
+    # known before any cell runs, so that a cell of an earlier definition (an older results file) is not reused
+    versions: dict[str, Any] = {t: VERSIONS[t] for t in cfg.tasks}
 
     def run_cell(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         task = load_task(manager, f"kdn_{name}")

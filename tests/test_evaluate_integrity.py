@@ -252,3 +252,21 @@ def test_tables_never_join_suites_computed_on_other_weights(tmp_path: Path) -> N
     assert skipped == [f"skipped {run / 'eval' / 'lm.json'}: computed on other weights (sha256 {'a1' * 6}) than "
                        f"the newest results of {run} (ruler.json, sha256 {'b2' * 6}); rerun evaluate.py "
                        f"suites=[lm] on it"]
+
+
+def test_a_cell_of_an_earlier_task_definition_is_computed_again(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from eval.results import load_previous
+
+    weights = {"sha256": "ab" * 32}
+    old = {"settings": {"context_tokens": 2048, "tasks": {"swde": 1.0, "squad": 1.0}}, "weights": weights,
+           "results": {"swde": {"score": 41.0, "n": 3}, "squad": {"score": 12.5, "n": 3}}}
+    path = tmp_path / "retrieval.json"
+    path.write_text(json.dumps(old))
+    new = {"context_tokens": 2048, "tasks": {"swde": 2.0, "squad": 1.0}}
+    with caplog.at_level(logging.INFO, logger="evaluate"):
+        kept = load_previous(path, new, overwrite=False, weights=weights)
+    assert kept == {"squad": {"score": 12.5, "n": 3}}, "SWDE's cell of definition 1.0 must not be reused at 2.0"
+    assert "recomputing swde" in caplog.text and "1.0 -> 2.0" in caplog.text
+    same = {"context_tokens": 2048, "tasks": {"swde": 1.0, "squad": 1.0}}
+    assert load_previous(path, same, overwrite=False, weights=weights) == old["results"]

@@ -86,7 +86,7 @@ def test_retrieval_keeps_its_window_whatever_lm_evals_max_length(run_dir: Path, 
                                          "retrieval.context_tokens=512", "retrieval.limit=2", "batch_size=2",
                                          "progress=false"]))["reports"]["retrieval"]
     assert rep["settings"]["max_length"] == 512 + 48
-    assert rep["results"]["swde"] == {"score": 100.0, "n": 2}
+    assert rep["results"]["swde"] == {"score": 100.0, "n": 2, "batch_size": 2}
 
 
 @pytest.fixture(scope="module")
