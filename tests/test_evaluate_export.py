@@ -44,7 +44,7 @@ def checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     return ckpt, model
 
 
-def _rel_err(hf_dir: Path, ref_model: torch.nn.Module) -> float:
+def logits_rel_err(hf_dir: Path, ref_model: torch.nn.Module) -> float:
     model, _ = load_model(hf_dir, device="cpu")
     x = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_a_partial_export_is_replaced_not_loaded(checkpoint: tuple[Path, torch.n
     (partial / "model.safetensors").write_bytes((run / "hf" / "model.safetensors").read_bytes()[:4096])
     target = resolve(ckpt)
     assert target.hf_dir == partial and export_complete(ckpt)
-    assert _rel_err(target.hf_dir, model) < 1e-6
+    assert logits_rel_err(target.hf_dir, model) < 1e-6
     manifest = json.loads((partial / EXPORT_MANIFEST).read_text())
     assert manifest["files"]["model.safetensors"]["size"] == (partial / "model.safetensors").stat().st_size > 4096
     assert sorted(p.name for p in ckpt.iterdir()) == [".hf.lock", "hf", "manifest.json", "pytorch_model.bin"]
@@ -74,12 +74,12 @@ def test_a_damaged_file_of_a_finished_export_is_detected(checkpoint: tuple[Path,
     with open(hf / "model.safetensors", "r+b") as f:
         f.truncate(1000)
     assert not export_complete(ckpt)
-    assert resolve(ckpt).hf_dir == hf and _rel_err(hf, model) < 1e-6
+    assert resolve(ckpt).hf_dir == hf and logits_rel_err(hf, model) < 1e-6
     data = bytearray((hf / "model.safetensors").read_bytes())
     data[-64:] = bytes(b ^ 0xFF for b in data[-64:])  # damaged in place, its size unchanged
     (hf / "model.safetensors").write_bytes(bytes(data))
     assert not export_complete(ckpt)
-    assert resolve(ckpt).hf_dir == hf and _rel_err(hf, model) < 1e-6
+    assert resolve(ckpt).hf_dir == hf and logits_rel_err(hf, model) < 1e-6
 
 
 def test_an_evaluation_killed_while_exporting_leaves_nothing_loadable(
@@ -91,5 +91,5 @@ def test_an_evaluation_killed_while_exporting_leaves_nothing_loadable(
     assert not export_complete(ckpt)
     assert any(ckpt.glob(".hf.*.tmp"))  # the half-written export, under its temp name
     target = resolve(ckpt)
-    assert export_complete(ckpt) and _rel_err(target.hf_dir, model) < 1e-6
+    assert export_complete(ckpt) and logits_rel_err(target.hf_dir, model) < 1e-6
     assert not any(ckpt.glob(".hf.*.tmp"))

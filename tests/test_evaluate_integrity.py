@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from eval_fixtures import export_toy_run
+from test_evaluate_export import logits_rel_err
 
 import eval.perplexity
 import evaluate
@@ -51,14 +52,6 @@ def _flip(path: Path) -> None:
     at = len(data) // 2
     data[at:at + 16] = bytes(b ^ 0xFF for b in data[at:at + 16])
     path.write_bytes(bytes(data))
-
-
-def _rel_err(hf_dir: Path, ref_model: torch.nn.Module) -> float:
-    model, _ = load_model(hf_dir, device="cpu")
-    x = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref, got = ref_model(input_ids=x).logits, model(input_ids=x).logits
-    return float((got - ref).norm() / ref.norm())
 
 
 def _ctx(out: Path, sha: str) -> Context:
@@ -164,7 +157,7 @@ def test_a_damaged_checkpoint_is_refused_and_its_export_is_not_reused(tmp_path: 
     run = export_toy_run(tmp_path / "run", seq_len=64)
     ckpt, model = write_checkpoint(run, 12, 1.5)
     target = resolve(ckpt)  # intact: verified, exported
-    assert _rel_err(target.hf_dir, model) < 1e-6
+    assert logits_rel_err(target.hf_dir, model) < 1e-6
     weights = ckpt / "pytorch_model.bin"
     _flip(weights)
     with pytest.raises(CheckpointError) as err:
@@ -186,7 +179,7 @@ def test_a_rewritten_checkpoint_is_exported_again(tmp_path: Path) -> None:
     assert first["manifest_sha256"] and all(len(e["sha256"]) == 64 for e in first["files"].values())
     _, model = write_checkpoint(run, 12, 0.5)  # the step saved again (a restarted run), with other weights
     target = resolve(ckpt)
-    assert _rel_err(target.hf_dir, model) < 1e-6  # the stale export was replaced, not loaded
+    assert logits_rel_err(target.hf_dir, model) < 1e-6  # the stale export was replaced, not loaded
     assert json.loads((target.hf_dir / EXPORT_MANIFEST).read_text())["manifest_sha256"] != first["manifest_sha256"]
 
 
