@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -38,13 +38,31 @@ def inv_softplus(y: Tensor | float) -> Tensor:
 L2_EPS = 1e-12  # under the root of the L2 norm of q and k (fla's l2norm; the CPU path clamps the norm at it)
 
 
+# fla's row-wise norm kernels (l2norm, the gated RMSNorm) key their autotuning on a call's rows in buckets of 65,536,
+# so every new batch x length of an evaluation's packed prefill tuned them again (10-15 s each; 211 s of the RULER
+# grid's 415 s on an H200). Calls without gradients run in pieces of at most that many rows and tune once; training's
+# fixed shapes tune once anyway and keep one call.
+NORM_ROWS = 65536
+
+
+def by_rows(fn: Callable[..., Tensor], *xs: Tensor, rows: int = NORM_ROWS) -> Tensor:
+    """``fn(*xs)`` for a row-wise ``fn`` of tensors ``[..., D]`` of one shape, run on pieces of at most ``rows`` rows
+    when no gradient is needed (one call otherwise, or when they fit). Returns ``fn``'s output, shaped as ``xs[0]``."""
+    x = xs[0]
+    n = x.numel() // x.shape[-1]
+    if n <= rows or (torch.is_grad_enabled() and any(t.requires_grad for t in xs)):
+        return fn(*xs)
+    flat = [t.reshape(n, t.shape[-1]) for t in xs]
+    return torch.cat([fn(*(t[i:i + rows] for t in flat)) for i in range(0, n, rows)]).view(x.shape)
+
+
 def l2_normalize(x: Tensor, fused: bool = True) -> Tensor:
     """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype (fla's kernel on
-    CUDA when ``fused``)."""
+    CUDA when ``fused``, by :func:`by_rows`)."""
     if fla_fused(x, fused):
         from fla.modules.norm.l2norm import l2norm
 
-        return l2norm(x, eps=L2_EPS)
+        return by_rows(lambda t: l2norm(t, eps=L2_EPS), x)
     return F.normalize(upcast(x), dim=-1).to(x.dtype)
 
 
@@ -175,7 +193,8 @@ class GatedRMSNorm(RMSNorm):
         if fla_fused(x, self.fused):
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
-            return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
+            return by_rows(lambda a, b: rms_norm_gated(a, b, self.weight, None, activation=self.activation,
+                                                       eps=self.eps), x, gate)
         act = torch.sigmoid if self.activation == "sigmoid" else F.silu
         return (self.normed(x) * act(upcast(gate))).to(x.dtype)
 
