@@ -252,3 +252,55 @@ def test_a_changed_schedule_is_refused_on_resume_and_a_finished_run_says_so(
     assert json.loads((run / "checkpoints" / "step_000000008" / "train_state.json").read_text())["step"] == 8
     assert [r["step"] for r in losses(run)] == list(range(1, 9))
     assert (run / "checkpoints" / "step_000000008" / MANIFEST).is_file()
+
+
+class _Tokenizer:
+    """Stands in for the run's tokenizer: one small file per export."""
+
+    def save_pretrained(self, out: str) -> None:
+        (Path(out) / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on "
+                 "device\" })"),  # safetensors' own error
+])
+def test_a_full_disk_during_an_export_is_one_line_and_keeps_the_earlier_export(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    import models
+    from trainer.checkpoint import export_hf
+
+    model = models.build_model(models.model_config("toy", "kdn_diag"))
+    out = export_hf(Accelerator(cpu=True), model, _Tokenizer(), tmp_path / "hf")
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = type(model).save_pretrained
+
+    def fails_midway(self, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        real(self, path, **kw)  # the partial export takes space, then the disk fills
+        raise error
+
+    monkeypatch.setattr(type(model), "save_pretrained", fails_midway)
+    with pytest.raises(CheckpointError) as err:
+        export_hf(Accelerator(cpu=True), model, _Tokenizer(), tmp_path / "hf")
+    said = str(err.value)
+    assert "\n" not in said and said.startswith(f"exporting the model to {out} failed: the disk is full at {tmp_path}")
+    assert f"the earlier export {out} is intact" in said and err.value.__cause__ is None
+    assert not (tmp_path / ".tmp_hf").exists(), "the partial export must not stay on the full disk"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
+
+
+def test_an_export_error_other_than_a_failed_write_is_not_called_a_full_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import models
+    from trainer.checkpoint import export_hf
+
+    model = models.build_model(models.model_config("toy", "kdn_diag"))
+
+    def broken(self, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        raise ValueError("a bug, not the disk")
+
+    monkeypatch.setattr(type(model), "save_pretrained", broken)
+    with pytest.raises(ValueError, match="a bug, not the disk"):
+        export_hf(Accelerator(cpu=True), model, _Tokenizer(), tmp_path / "hf")
+    assert not (tmp_path / ".tmp_hf").exists()

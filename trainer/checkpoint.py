@@ -41,6 +41,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # torch's archive writer (inline_container.cc) reports a failed write as a RuntimeError, not an OSError: a write that
 # fails ("file write failed") or, at the archive's end, a short file ("unexpected pos")
 _TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos")
+# safetensors (Rust) reports an I/O error inside its own exception's text
+_STORAGE_FULL = re.compile(r"StorageFull|No space left on device|Disk quota exceeded|QuotaExceeded")
 _FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
 
 log = logging.getLogger("train")
@@ -98,6 +100,8 @@ def _write_failure(e: BaseException, where: Path) -> str | None:
         said = next((x.strip() for x in str(e).splitlines() if _TORCH_WRITE_FAILED.search(x)), "")
         said = re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", said)  # the C++ source line means nothing here
         return f"the disk is full at {where} (or over quota; torch: {said})"
+    if _STORAGE_FULL.search(str(e)):
+        return f"the disk is full at {where} (or over quota; {type(e).__name__})"
     return None
 
 
@@ -300,15 +304,26 @@ class Checkpointer:
 
 def export_hf(accelerator: Accelerator, model: nn.Module, tokenizer: Any, out_dir: Path) -> Path:
     """Collective: write the model (``save_pretrained``, full weights even under FSDP) and the
-    tokenizer (``save_pretrained``) to ``out_dir`` through a temp directory and a rename."""
+    tokenizer (``save_pretrained``) to ``out_dir`` through a temp directory and a rename. A failed write (a full
+    disk, a quota) removes the temp directory and raises a one-line ``CheckpointError``; an earlier export stays."""
     state_dict = accelerator.get_state_dict(model)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}")
     if accelerator.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial export took
+            problem = _write_failure(e, out_dir.parent)
+            if problem is None:
+                raise
+            kept = f"the earlier export {out_dir} is intact" if out_dir.exists() else "no earlier export exists"
+            raise CheckpointError(f"exporting the model to {out_dir} failed: {problem}; the partial export is removed "
+                                  f"and {kept} (the checkpoints are untouched); free space there, then rerun the "
+                                  "command") from None
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
