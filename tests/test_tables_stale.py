@@ -54,3 +54,17 @@ def test_a_refused_mqar_table_removes_its_files_and_says_so_in_missing_txt(tmp_p
     assert str(refusal.value).endswith(f"(the earlier mqar_recall.* in {out} are removed)")
     assert f"mqar_recall: not written: {bad} is not an MQAR results file" in (out / "missing.txt").read_text()
     assert (out / "table1.md").is_file()
+
+
+def test_curves_of_an_earlier_invocation_are_removed_when_no_run_has_training_records(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trained, untrained, out = tmp_path / "trained", tmp_path / "untrained", tmp_path / "out"
+    write_run(trained, "a", lm=lm_values(18.9, 50.0),
+              metrics=[json.dumps({"step": 10 * i, "tokens": 1000 * i, "loss": 5.0 - 0.1 * i}) for i in range(1, 4)])
+    main([str(trained), "--out", str(out)])
+    assert (out / "loss_curves.png").exists()
+    capsys.readouterr()
+    write_run(untrained, "b", lm=lm_values(18.7, 51.0))
+    main([str(untrained), "--out", str(out)])
+    assert not (out / "loss_curves.png").exists(), "curves of other runs left beside the fresh tables"
+    assert "no run has training records" in capsys.readouterr().err

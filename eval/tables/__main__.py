@@ -144,6 +144,10 @@ def tables_of_runs(runs_dir: str, ids: list[str], out: Path, *, paper: bool, dif
     curves = loss_curves(runs, out / "loss_curves.png")
     if curves is not None:
         print(f"wrote {curves}")
+    elif (out / "loss_curves.png").exists():  # an earlier invocation's curves, of other runs
+        (out / "loss_curves.png").unlink()
+        say(f"loss curves not written: no run has training records (the earlier {out / 'loss_curves.png'} is "
+            "removed)")
     return missing, refused
 
 
