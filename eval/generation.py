@@ -106,7 +106,7 @@ class BatchSearch:
     last size before it, which every later batch uses. So the search costs only its slower batches, not extra
     decoding. Each size counts the fastest of its first ``repeats`` full batches: the first batch at a new size also
     pays one-off costs that the run pays once anyway (a CUDA graph capture; Triton compiling and autotuning kernels
-    for new shapes: 10-15 s for fla's norm kernels at each new bucket of a batch's token count). An
+    for new shapes). An
     out-of-memory error once the search ended (a longer prompt later) halves the size. Results may depend on the
     batches in bf16 (see the module docstring), so the suites record them.
     """
