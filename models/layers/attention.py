@@ -15,8 +15,6 @@ restarts positions at each document.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,7 +23,7 @@ from torch import Tensor
 from kdn.layers import RecurrentCache
 from kdn.modules import Linear, positions_in_sequence
 from models.layers.common import check_cu_seqlens, current_mask
-from models.layers.window_attention import block_mask_for, flex_windowed
+from models.layers.window_attention import block_mask_for, compiled_for, flex_windowed
 
 BACKENDS = ("auto", "flex", "sdpa")
 
@@ -41,18 +39,10 @@ def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
 
 
-_compiled_rope: dict[bool, Callable[[Tensor, Tensor, float], Tensor]] = {}
-
-
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     """:func:`apply_rope`, compiled into one pass on CUDA (eager, it makes about eight FP32 passes over ``x``: a
     sixth of a 32K-token windowed layer's time); static shapes when gradients are needed, dynamic otherwise."""
-    if not x.is_cuda:
-        return apply_rope(x, pos, theta)
-    dynamic = not (torch.is_grad_enabled() and x.requires_grad)
-    if dynamic not in _compiled_rope:
-        _compiled_rope[dynamic] = torch.compile(apply_rope, dynamic=dynamic)
-    return _compiled_rope[dynamic](x, pos, theta)
+    return compiled_for(apply_rope, x)(x, pos, theta) if x.is_cuda else apply_rope(x, pos, theta)
 
 
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
@@ -106,7 +96,6 @@ class Attention(nn.Module):
         mask = current_mask(attention_mask, B, T)
         valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         last = past_key_values.get(self.layer_idx) if past_key_values is not None else None
-        doc = None
         if last is not None and "cursor" in last:  # a static cache (models.cache.StaticKDNCache): ring buffers
             if T != 1 or cu_seqlens is not None or mask is not None:
                 raise ValueError("a static cache decodes one token per row (T = 1), without cu_seqlens or padding; "
@@ -120,7 +109,6 @@ class Attention(nn.Module):
             if use_cache:
                 return self.packed_prefill(x, cu_seqlens, past_key_values)
             pos = positions_in_sequence(B, T, cu_seqlens, x.device)
-            doc = torch.searchsorted(cu_seqlens[1:].to(x.device), torch.arange(T, device=x.device), right=True)
             start = None
         else:
             start = last["next_pos"] if last is not None else torch.zeros(B, dtype=torch.long, device=x.device)
@@ -131,7 +119,7 @@ class Attention(nn.Module):
             k, v = torch.cat([last["k"], k], 2), torch.cat([last["v"], v], 2)
             k_pos, k_valid = torch.cat([last["pos"], pos], 1), torch.cat([last["valid"], valid], 1)
         L = k.shape[2] - T
-        plain = last is None and mask is None and doc is None and (self.window is None or self.window >= T)
+        plain = last is None and mask is None and cu_seqlens is None and (self.window is None or self.window >= T)
         if plain:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif self.block_sparse(x) and T > 1:
@@ -146,7 +134,8 @@ class Attention(nn.Module):
             allowed = (kj[None, :] <= qi[:, None])[None] & k_valid[:, None, :]  # [B, T, L+T]
             if self.window is not None:
                 allowed = allowed & (pos[:, :, None] - k_pos[:, None, :] < self.window)
-            if doc is not None:
+            if cu_seqlens is not None:
+                doc = torch.searchsorted(cu_seqlens[1:].to(x.device), kj, right=True)
                 allowed = allowed & (doc[:, None] == doc[None, :])[None]
             allowed = allowed | (kj[None, :] == qi[:, None])[None]  # a padded query sees itself: no empty row
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])

@@ -29,17 +29,24 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, and_masks, flex_attention, or_masks
 
 BLOCK = 128  # flex_attention's default block (queries and keys)
-_CACHE_SIZE = 8  # block masks kept: a training shape, and the documents or padding of the batch in flight
+_CACHE_SIZE = 8  # block masks by index kept: a training shape's plain window, and the documents of batches in flight
 
-_compiled: dict[bool, Callable[..., Tensor]] = {}
+_compiled: dict[tuple[Callable, bool], Callable[..., Tensor]] = {}
 _masks: OrderedDict[tuple, tuple[object, BlockMask]] = OrderedDict()
 
 
-def _flex(dynamic: bool) -> Callable[..., Tensor]:
-    """``flex_attention`` compiled once per process for static (training) or dynamic (inference) shapes."""
-    if dynamic not in _compiled:
-        _compiled[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
-    return _compiled[dynamic]
+def needs_grad(*xs: Tensor) -> bool:
+    """Whether autograd records an operation on ``xs``."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in xs)
+
+
+def compiled_for(fn: Callable[..., Tensor], *xs: Tensor) -> Callable[..., Tensor]:
+    """``fn`` compiled once per process: for static shapes when ``xs`` need gradients (training: one shape), for
+    dynamic shapes otherwise (prompts of any length). Kept apart, each stays far from Dynamo's recompile limit."""
+    key = (fn, not needs_grad(*xs))
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, dynamic=key[1])
+    return _compiled[key]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,7 +170,7 @@ def block_mask_for(Q: int, KV: int, window: int | None, *, cu_seqlens: Tensor | 
         if k_pos is None or k_valid is None:
             raise ValueError("a mask by position needs q_pos, k_pos and k_valid")
         return position_block_mask(q_pos, k_pos, k_valid, window)
-    return cached_block_mask(("index", Q, KV, window, str(device)), cu_seqlens,
+    return cached_block_mask((Q, KV, window, str(device)), cu_seqlens,
                              lambda: index_block_mask(Q, KV, window, cu_seqlens, device))
 
 
@@ -171,10 +178,9 @@ def flex_windowed(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Ten
     """Attention of ``q [B, H, Q, K]`` over ``k, v [B, H, KV, K]`` under ``block_mask`` (softmax scale
     ``K ** -0.5``): compiled ``flex_attention`` on CUDA (static shapes when gradients are needed, dynamic otherwise),
     its unfused reference elsewhere (forward only)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type != "cuda":
-        if grad:
+        if needs_grad(q, k, v):
             raise RuntimeError(f"flex_attention has no backward on {q.device.type}: train there with the attention "
                                "backend 'auto' or 'sdpa', or run the 'flex' backend under torch.no_grad()")
         return flex_attention(q, k, v, block_mask=block_mask)
-    return _flex(dynamic=not grad)(q, k, v, block_mask=block_mask)
+    return compiled_for(flex_attention, q, k, v)(q, k, v, block_mask=block_mask)
