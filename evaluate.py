@@ -148,23 +148,16 @@ def check_override_keys(args: list[str]) -> None:
     """
     from omegaconf import OmegaConf
 
-    from trainer.config import _did_you_mean
+    from trainer.config import did_you_mean, override_keys
 
     schema = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
-    for arg in args:
-        if arg.startswith(("-", "~")) or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0].lstrip("+")
-        parts = key.split(".")
-        if any(c in key for c in "@/") or parts[0] == "hydra" or key in groups:
-            continue
+    for parts in override_keys(args, CONF, added=True):
         node: Any = {k: v for k, v in schema.items() if k not in ("defaults", "hydra")}
         for i, part in enumerate(parts):
             if not isinstance(node, dict):  # below a value: Hydra's own error names it
                 break
             if part not in node:
-                raise ValueError(_did_you_mean(".".join(parts[:i + 1]), set(node)))
+                raise ValueError(did_you_mean(".".join(parts[:i + 1]), set(node)))
             node = node[part]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import partial
 from pathlib import Path
@@ -186,10 +187,25 @@ def _unknown_key_hint(full_key: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(names)})"
 
 
-def _did_you_mean(key: str, names: list[str] | set[str]) -> str:
+def did_you_mean(key: str, names: list[str] | set[str]) -> str:
+    """``"<key>: unknown key"`` with the closest of ``names`` to its last part, or the valid keys."""
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(names), n=1)
     return f"{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else
                                     f" (valid keys: {', '.join(sorted(names))})")
+
+
+def override_keys(args: list[str], conf_dir: Path, added: bool) -> Iterator[list[str]]:
+    """The dotted keys, split, of the ``key=value`` overrides in ``args`` that name config values; flags, deletions
+    (``~key``), config groups of ``conf_dir``, ``@``/``/`` keys and ``hydra.*`` are left to Hydra, and so are added
+    keys (``+key``, ``++key``) unless ``added``."""
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    for arg in args:
+        if arg.startswith(("-", "~")) or "=" not in arg or (arg.startswith("+") and not added):
+            continue
+        key = arg.split("=", 1)[0].lstrip("+")
+        parts = key.split(".")
+        if not any(c in key for c in "@/") and parts[0] != "hydra" and key not in groups:
+            yield parts
 
 
 def check_override_keys(args: list[str]) -> None:
@@ -204,19 +220,12 @@ def check_override_keys(args: list[str]) -> None:
     """
     from data import PrepareConfig
 
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    for arg in args:
-        if arg.startswith(("-", "+", "~")) or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0]
-        parts = key.split(".")
-        if any(c in key for c in "@/") or parts[0] == "hydra" or key in groups:
-            continue
+    for parts in override_keys(args, CONF_DIR, added=False):
         node: Any = TrainConfig
         for i, part in enumerate(parts):
             names = {f.name for f in fields(node)}
             if part not in names:
-                raise ConfigError(_did_you_mean(".".join(parts[:i + 1]), names))
+                raise ConfigError(did_you_mean(".".join(parts[:i + 1]), names))
             factory = next(f.default_factory for f in fields(node) if f.name == part)
             if ".".join(parts[:i + 1]) == "data.prepare":
                 node = PrepareConfig
