@@ -32,6 +32,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from data.shards import sha256_file
+from trainer.rundir import write_text_atomic
 
 STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"
@@ -66,13 +67,7 @@ class TrainState:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` (its folder made if needed) through a temp file, an fsync and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def _sha256_all(paths: list[Path]) -> list[str]:

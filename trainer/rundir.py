@@ -177,10 +177,13 @@ def check_fingerprint(run_dir: Path, config: dict[str, Any], force: bool) -> dic
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (its folder made if needed) through a temp file and a rename."""
+    """Write ``text`` to ``path`` (its folder made if needed) through a temp file, an fsync and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
