@@ -28,21 +28,33 @@ from models.layers.window_attention import block_mask_for, compiled_for, flex_wi
 BACKENDS = ("auto", "flex", "sdpa")
 
 
-def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotate ``x [B, T, H, K]`` by positions ``pos [B, T]`` (half-split RoPE, base ``theta``), in FP32."""
-    K = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, K, 2, device=x.device, dtype=torch.float32) / K)
+def rope_angles(pos: Tensor, K: int, theta: float) -> tuple[Tensor, Tensor]:
+    """``cos, sin [B, T, 1, K/2]`` (FP32) of positions ``pos [B, T]``, for half-split RoPE of head size ``K``."""
+    inv_freq = theta ** (-torch.arange(0, K, 2, device=pos.device, dtype=torch.float32) / K)
     ang = pos.to(torch.float32)[..., None] * inv_freq  # [B, T, K/2]
-    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    return ang.cos()[:, :, None], ang.sin()[:, :, None]
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, T, H, K]`` by ``cos, sin [B, T, 1, K/2]`` (half-split RoPE), in FP32."""
+    K = x.shape[-1]
     xf = x.float()
     x0, x1 = xf[..., : K // 2], xf[..., K // 2:]
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
 
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """:func:`apply_rope`, compiled into one pass on CUDA (eager, it makes about eight FP32 passes over ``x``: a
-    sixth of a 32K-token windowed layer's time); static shapes when gradients are needed, dynamic otherwise."""
-    return compiled_for(apply_rope, x)(x, pos, theta) if x.is_cuda else apply_rope(x, pos, theta)
+def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotate ``x [B, T, H, K]`` by positions ``pos [B, T]`` (half-split RoPE, base ``theta``), in FP32."""
+    return rotate(x, *rope_angles(pos, x.shape[-1], theta))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`rotate`, compiled into one pass on CUDA (eager, it makes about eight FP32 passes over ``x``: a sixth of a
+    32K-token windowed layer's time); static shapes when gradients are needed, dynamic otherwise. The angles come in
+    as a table computed once for ``q`` and ``k``: computed inside, the compiled pass evaluated FP32 ``sin`` and
+    ``cos`` (with their range reduction) per element of ``x`` in the forward and again in the backward, 12x the
+    time of its bytes."""
+    return compiled_for(rotate, x)(x, cos, sin) if x.is_cuda else rotate(x, cos, sin)
 
 
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
@@ -157,8 +169,9 @@ class Attention(nn.Module):
         """``q, k, v [B, H, T, K]`` of ``x [B, T, d]`` at positions ``pos [B, T]`` (RoPE on ``q`` and ``k``)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q = rope(self.q_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
-        k = rope(self.k_proj(x).view(B, T, H, K), pos, self.rope_theta).transpose(1, 2)
+        cos, sin = rope_angles(pos, K, self.rope_theta)
+        q = rope(self.q_proj(x).view(B, T, H, K), cos, sin).transpose(1, 2)
+        k = rope(self.k_proj(x).view(B, T, H, K), cos, sin).transpose(1, 2)
         return q, k, self.v_proj(x).view(B, T, H, K).transpose(1, 2)
 
     def packed_prefill(self, x: Tensor, cu_seqlens: Tensor, cache: RecurrentCache | None
