@@ -305,6 +305,12 @@ def test_profile_step_kernel_groups() -> None:
     assert kernel_group("causal_conv1d_fwd_kernel") == "short conv"
     assert kernel_group("chunk_kda_bwd_kernel_intra") == kernel_group("_diag_gain_bwd_kernel") == RECURRENCE
     assert kernel_group("void some_library_kernel<float>") == "other"
+    for name in ("triton_tem_fused_flex_attention_backward_1", "triton_red_fused_flex_attention_backward_0",
+                 "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128",
+                 "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>",
+                 "fmha_cutlassB_bf16_aligned_64x64_k128_sm80"):
+        assert kernel_group(name) == "attention", name
+    assert kernel_group("triton_poi_fused__to_copy_cat_mul_sub_0") == "inductor element-wise"
 
 
 def test_warm_triton_passes_the_workload_its_own_options() -> None:

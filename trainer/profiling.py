@@ -21,8 +21,12 @@ from torch.profiler import ProfilerActivity, profile
 from trainer.checkpoint import write_json_atomic
 
 # Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
-# mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other".
+# mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other". Attention comes first:
+# memory-efficient SDPA's kernels are CUTLASS's ("fmha_cutlass..."), flex_attention's are Inductor's Triton kernels.
+# Inductor's other generated kernels ("triton_poi_"/"triton_red_"/"triton_per_": RoPE, or a compiled model's fusions)
+# are its own group, not the recurrence's.
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flex_attention", "flash", "fmha", "sdpa")),
     ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma")),
     ("optimiser", ("multi_tensor_apply", "adam")),
     ("pytorch elementwise/copy/reduce", ("at::native", "void at::")),
@@ -30,6 +34,7 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("swiglu", ("swiglu",)),
     ("short conv", ("conv1d",)),
     ("cross-entropy", ("cross_entropy", "logsumexp", "elementwise_mul_kernel")),
+    ("inductor element-wise", ("triton_poi_", "triton_red_", "triton_per_")),
 )
 RECURRENCE = "recurrence and gates (Triton)"
 
