@@ -20,7 +20,7 @@ import argparse
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,11 @@ def _filler(tok: Any, n: int, rng: random.Random) -> list[int]:
 
 
 def bench_ruler(model: Any, tok: Any, clock: ForwardClock, cells: list[str], n: int, batch_size: int | str,
-                eos: int, new_tokens: int = 128, haystack: str | None = None) -> dict[str, Any]:
+                eos: int, new_tokens: int = 128, haystack: str | None = None,
+                on_cell: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every cell: build ``n`` samples (eval.ruler, on ``haystack``: default the KJV), decode them as the ruler
-    suite does (``batch_size="auto"``: a :class:`BatchSearch` per context length, capped at ``n``)."""
+    suite does (``batch_size="auto"``: a :class:`BatchSearch` per context length, capped at ``n``). ``on_cell``
+    receives the finished cells' rows after each cell (a run stopped mid-grid keeps them)."""
     from eval import ruler
 
     hay = ruler.load_haystack(haystack)
@@ -121,8 +123,10 @@ def bench_ruler(model: Any, tok: Any, clock: ForwardClock, cells: list[str], n: 
         rows[cell] = row
         print(f"  ruler {cell:<22} {row['generate_s']:8.1f} s  ({n / row['generate_s']:.1f} samples/s, "
               f"batches {sorted(set(sizes), reverse=True)})", flush=True)
+        if on_cell is not None:
+            on_cell({"cells": rows, "complete": False})
     total = time.perf_counter() - t_all
-    return {"cells": rows, "samples": n * len(cells), "wall_s": total,
+    return {"cells": rows, "complete": True, "samples": n * len(cells), "wall_s": total,
             "samples_per_s": n * len(cells) / total, "haystack": hay.describe()["name"],
             "searches": {str(length): {"batch_size": s.size, "done": s.done,
                                        "samples_per_s": {str(b): r for b, r in sorted(s.rates.items())}}
@@ -245,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parts = args.parts.split(",")
     runs = {
         "ruler": lambda: bench_ruler(model, tok, clock, cells, args.samples_per_cell, batch_size, tok.eos_id,
-                                     args.ruler_new_tokens, args.haystack),
+                                     args.ruler_new_tokens, args.haystack,
+                                     on_cell=lambda part: write_json_atomic(args.out, {**report, "ruler": part})),
         "cloze": lambda: bench_cloze(model, hf_tok, clock, args.cloze_docs, lm_batch_size, args.cloze_tokens),
         "lm": lambda: bench_lm(model, hf_tok, clock, args.lm_scale, lm_batch_size, args.max_length,
                                args.wikitext_tokens),

@@ -45,9 +45,12 @@ def test_the_ruler_grid_runs_at_the_default_auto_batch_and_records_its_batches(
     model = models.build_model(models.model_config("toy", "kdn_diag", vocab_size=32000)).eval()
     tok = load_tokenizer("mistral-v1")
     cells = ["niah_single_1@1024", "niah_multikey_1@1024", "niah_single_1@2048"]
+    seen: list[list[str]] = []
     with torch.no_grad():  # auto as on CUDA: one search per context length, capped at a cell's samples
         r = eval_speed.bench_ruler(model, tok, eval_speed.ForwardClock(model, torch.device("cpu")), cells, 3, "auto",
-                                   tok.eos_id, new_tokens=2)
+                                   tok.eos_id, new_tokens=2,
+                                   on_cell=lambda part: seen.append(list(part["cells"]) * (not part["complete"])))
+    assert seen == [cells[:1], cells[:2], cells] and r["complete"]  # each finished cell reported as it ends
     assert {k: (v["batch_size"], v["done"], list(v["samples_per_s"])) for k, v in r["searches"].items()} == {
         "1024": (3, True, ["3"]), "2048": (3, False, ["3"])}  # 1024: two cells measured 3 rows, 6 > 3 samples
     assert [c["batch_sizes"] for c in r["cells"].values()] == [[3], [3], [3]]
