@@ -24,7 +24,7 @@
 #   throughput750m_paper  the same at the paper's 0.5M-token batch (slurm/gpu_checks.sh throughput_paper; default
 #                  kdn_diag,kda; `throughput750m_paper=MIXERS`); files named throughput750m_paper*
 #   bench=MODULE ARGS  `python -m bench.MODULE ARGS --out $OUT/MODULE.json` (e.g. "bench=norm_throughput
-#                  --block-rows 32 64")
+#                  --block-rows 32 64"); a later stage of the same module writes MODULE_2.json, MODULE_3.json, ...
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
 #   mqar[=ARGS]    `python -m eval.mqar out=$MQAR_OUT ARGS` (MQAR_OUT default runs/mqar/full): the MQAR grid,
 #                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files
@@ -106,8 +106,11 @@ for stage in "$@"; do
       ;;
     bench=*)
       read -r mod args <<< "${stage#bench=}"
+      out="$OUT/$mod.json"
+      n=2
+      while [ -e "$out" ]; do out="$OUT/${mod}_$n.json"; n=$((n + 1)); done  # a module's second stage: MODULE_2.json
       # shellcheck disable=SC2086
-      run_stage "bench $mod" python3 -m "bench.$mod" $args --out "$OUT/$mod.json"
+      run_stage "bench $mod" python3 -m "bench.$mod" $args --out "$out"
       ;;
     mqar|mqar=*)
       args=$(stage_arg "$stage" mqar)

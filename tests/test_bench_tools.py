@@ -346,6 +346,23 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
     assert "jobs/attn_d64_lr0.003_s0.json" in listing
 
 
+def test_gpu_bench_stages_of_one_module_write_separate_files(tmp_path: Path) -> None:
+    """Two `bench=MODULE` stages of one module keep both results: MODULE.json, then MODULE_2.json."""
+    root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
+    env = {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
+           "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "GPU_S": f"{timeout_s(560):.0f}",
+           "STAGE_S": f"{timeout_s(240):.0f}"}
+    tiny = "--size toy --parts ruler --samples-per-cell 1 --cells niah_single_1@1024 --ruler-new-tokens 1"
+    proc = subprocess.run(["bash", "bench/gpu.sh", f"bench=eval_speed {tiny} --pattern recurrent",
+                           f"bench=eval_speed {tiny} --pattern hybrid_swa"], cwd=root, capture_output=True,
+                          text=True, timeout=timeout_s(600), env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    patterns = [json.loads((out / name).read_text())["header"]["model"]["pattern"]
+                for name in ("eval_speed.json", "eval_speed_2.json")]
+    assert patterns == ["recurrent", "hybrid_swa"]
+
+
 def test_tilelang_kernels_are_packed_without_their_scratch(tmp_path: Path) -> None:
     """``pack_tilelang`` writes nothing for an empty cache, and otherwise every compiled kernel but the scratch."""
     root, cache = Path(__file__).resolve().parents[1], tmp_path / "tl"
