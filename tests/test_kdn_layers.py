@@ -160,8 +160,9 @@ def test_joint_linear_equals_separate_layers() -> None:
     gradient; a single layer is left as it is."""
     from kdn.modules import linear, low_rank, split_outputs
 
-    def fused_linear(x: torch.Tensor, layers: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
-        return split_outputs(linear(x, [m.weight for m in layers.values()]), layers)
+    def fused_linear(x: torch.Tensor, layers: dict[str, torch.nn.Linear], multiple: int = 1
+                     ) -> dict[str, torch.Tensor]:
+        return split_outputs(linear(x, [m.weight for m in layers.values()], multiple=multiple), layers)
 
     torch.manual_seed(0)
     layers = {"a": torch.nn.Linear(12, 7, bias=False), "b": torch.nn.Linear(12, 3, bias=True),
@@ -170,17 +171,43 @@ def test_joint_linear_equals_separate_layers() -> None:
     x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
     w = {n: torch.randn(2, 5, m.out_features, dtype=torch.float64) for n, m in layers.items()}
     grads = []
-    for fused in (True, False):
-        outs = fused_linear(x, layers) if fused else {n: m(x) for n, m in layers.items()}
+    for multiple in (1, 8, None):  # 14 columns as they are, padded to 16, and the separate layers
+        outs = fused_linear(x, layers, multiple) if multiple else {n: m(x) for n, m in layers.items()}
         loss = sum((outs[n] * w[n]).sum() for n in layers)
         params = [x, *(p for m in layers.values() for p in m.parameters())]
         grads.append((outs, torch.autograd.grad(loss, params)))
-    for n in layers:
-        torch.testing.assert_close(grads[0][0][n], grads[1][0][n], rtol=1e-13, atol=1e-13)
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    for fused in grads[:2]:
+        for n in layers:
+            torch.testing.assert_close(fused[0][n], grads[-1][0][n], rtol=1e-13, atol=1e-13)
+        for a, b in zip(fused[1], grads[-1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    padded = linear(x, [m.weight for m in layers.values()], multiple=8)
+    assert padded.shape[-1] == 16 and torch.equal(padded[..., 14:], torch.zeros_like(padded[..., 14:]))
     only = fused_linear(x, {"b": layers["b"]})["b"]
     torch.testing.assert_close(only, layers["b"](x), rtol=0, atol=0)
+
+
+def test_padded_joint_linear_under_autocast_equals_the_unpadded_one() -> None:
+    """Under autocast (FP32 weights, bf16 GEMMs) the joint projection padded to a multiple of 8 columns gives the
+    unpadded one's outputs in its first columns, zeros after them, and the same FP32 gradients, bias included."""
+    from kdn.modules import linear
+
+    torch.manual_seed(0)
+    ws = [torch.randn(n, 16, requires_grad=True) for n in (7, 3, 9)]
+    bias = torch.randn(19, requires_grad=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(2, 5, 19)
+    runs = []
+    for multiple in (1, 8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(x, ws, bias, multiple=multiple)
+        assert y.shape[-1] == (19 if multiple == 1 else 24) and y.dtype == torch.bfloat16
+        assert torch.equal(y[..., 19:], torch.zeros_like(y[..., 19:]))
+        loss = (y[..., :19].float() * w).sum()
+        runs.append((y[..., :19], torch.autograd.grad(loss, [x, bias, *ws])))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 IMPORT_ALL = r"""

@@ -199,8 +199,17 @@ class GatedRMSNorm(RMSNorm):
         return (self.normed(x) * act(upcast(gate))).to(x.dtype)
 
 
+def _stack(weights: list[Tensor] | tuple[Tensor, ...], dtype: torch.dtype, pad: int) -> Tensor:
+    """``cat(weights)`` in ``dtype`` with ``pad`` rows of zeros below: ``[sum n_i + pad, d]``."""
+    ws = [m.to(dtype) for m in weights]
+    if pad:
+        ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
+    return torch.cat(ws) if len(ws) > 1 else ws[0]
+
+
 class _AutocastLinear(torch.autograd.Function):
-    """``(x, bias | None, *weights) -> x @ cat(weights)^T + bias`` under autocast, FP32 weights and bias.
+    """``(x, bias | None, pad, *weights) -> x @ cat(weights, zeros(pad))^T + bias`` under autocast, FP32 weights and
+    bias (padded with ``pad`` zeros).
 
     The weights are cast to the autocast dtype and stacked (``[N, d]``), and the output and the input gradient come
     from GEMMs in that dtype, as autocast's ``F.linear`` would compute them. The weight gradients leave their GEMM in
@@ -209,38 +218,44 @@ class _AutocastLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor | None, pad: int,
+                *weights: Tensor) -> Tensor:
         dt = torch.get_autocast_dtype(x.device.type)
-        key = (dt, *(id(m) for m in weights))
+        key = (dt, pad, *(id(m) for m in weights))
         w = _CAST_CACHE.get(key) if _CAST_CACHE is not None else None
         if w is None:
-            w = torch.cat([m.to(dt) for m in weights]) if len(weights) > 1 else weights[0].to(dt)
+            w = _stack(weights, dt, pad)
             if _CAST_CACHE is not None:
                 _CAST_CACHE[key] = w
         x = x.to(dt)
         ctx.save_for_backward(x, w)
-        ctx.splits = [m.shape[0] for m in weights]
+        ctx.splits = [m.shape[0] for m in weights] + [pad]
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, w, None if bias is None else bias.to(dt))
+            return F.linear(x, w, None if bias is None else F.pad(bias.to(dt), (0, pad)) if pad else bias.to(dt))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dy = dy.to(w.dtype)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        n = sum(ctx.splits[:-1])
         with torch.autocast(x.device.type, enabled=False):
             dx = dy @ w if ctx.needs_input_grad[0] else None
-            db = dy2.sum(0, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # False without a bias
-            if not any(ctx.needs_input_grad[2:]):
-                return dx, db, *(None for _ in ctx.splits)
+            db = dy2[:, :n].sum(0, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # False without a bias
+            if not any(ctx.needs_input_grad[3:]):
+                return dx, db, None, *(None for _ in ctx.splits[:-1])
             if dy.is_cuda:
                 dw = torch.mm(dy2.t(), x2, out_dtype=torch.float32)
             else:  # no mixed-dtype GEMM here: the same FP32 result from upcast operands
                 dw = dy2.t().float() @ x2.float()
-        return dx, db, *dw.split(ctx.splits)
+        return dx, db, None, *dw.split(ctx.splits)[:-1]
 
 
 _CAST_CACHE: dict[tuple, Tensor] | None = None
+# The front end's joint projection is padded to a multiple of 8 columns (16 bytes of bf16): cuBLAS runs a GEMM whose
+# rows are not 16-byte aligned on Ampere's CUTLASS kernels ("align2") instead of Hopper's. With 18 heads (the 1.3B
+# models: 7,314 columns, the per-head r among them) each such GEMM took 2.1-2.3 ms on an H200, three per layer.
+JOINT_MULTIPLE = 8
 
 
 @contextlib.contextmanager
@@ -256,32 +271,42 @@ def cached_weight_casts() -> Iterator[None]:
         _CAST_CACHE = outer
 
 
-def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None) -> Tensor:
-    """``x @ cat(weights)^T + bias``: ``x [..., d]``, weights ``[n_i, d]``, ``bias [sum n_i]`` -> ``[..., sum n_i]``.
+def aligned_width(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None, *, multiple: int = 1) -> Tensor:
+    """``x @ cat(weights)^T + bias``: ``x [..., d]``, weights ``[n_i, d]``, ``bias [sum n_i]`` -> ``[..., N]``,
+    ``N = sum n_i`` rounded up to ``multiple`` (the columns past ``sum n_i`` are zeros, their gradient ignored).
 
     Under autocast with FP32 weights (single-device and DDP training) this is :class:`_AutocastLinear`, whose weight
     gradients come out of the GEMM in FP32; otherwise (FP32 runs, bf16 parameters under FSDP2's mixed precision)
     ``F.linear`` on the stacked weights. Either way one GEMM each for the output, the input gradient and the weight
     gradient of all the stacked weights."""
     ws = [weights] if isinstance(weights, Tensor) else list(weights)
+    n = sum(w.shape[0] for w in ws)
+    pad = aligned_width(n, multiple) - n
     if torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws) and (
             bias is None or bias.dtype == torch.float32):
-        return _AutocastLinear.apply(x, bias, *ws)
-    return F.linear(x, torch.cat(ws) if len(ws) > 1 else ws[0], bias)
+        return _AutocastLinear.apply(x, bias, pad, *ws)
+    return F.linear(x, _stack(ws, ws[0].dtype, pad), F.pad(bias, (0, pad)) if pad and bias is not None else bias)
 
 
-def stacked_weights(owner: nn.Module, weights: list[Tensor], x: Tensor) -> Tensor:
-    """``cat(weights)`` ``[sum n_i, d]`` in the dtype :func:`linear` computes ``x``'s product in, kept on ``owner``
-    between calls (decoding steps, and the CUDA graphs that replay them, read it) while no weight changes: the key
-    holds each weight's address and version counter, which every in-place update (an optimiser step,
-    ``load_state_dict``) advances. Without it every decoding step copies these weights before its GEMM. For
-    inference (no autograd); it holds one copy of the weights on ``owner``."""
+def stacked_weights(owner: nn.Module, weights: list[Tensor], x: Tensor, multiple: int = 1) -> Tensor:
+    """``cat(weights)`` ``[N, d]`` (``N``: ``sum n_i`` rounded up to ``multiple``, zero rows below) in the dtype
+    :func:`linear` computes ``x``'s product in, kept on ``owner`` between calls (decoding steps, and the CUDA graphs
+    that replay them, read it) while no weight changes: the key holds each weight's address and version counter,
+    which every in-place update (an optimiser step, ``load_state_dict``) advances. Without it every decoding step
+    copies these weights before its GEMM. For inference (no autograd); it holds one copy of the weights on
+    ``owner``."""
     amp = torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in weights)
     dtype = torch.get_autocast_dtype(x.device.type) if amp else weights[0].dtype
-    key = (dtype, *((w.data_ptr(), w._version) for w in weights))
+    n = sum(w.shape[0] for w in weights)
+    key = (dtype, multiple, *((w.data_ptr(), w._version) for w in weights))
     cached = owner.__dict__.get("_stacked_weights")
     if cached is None or cached[0] != key:
-        cached = (key, torch.cat([w.to(dtype) for w in weights]))
+        cached = (key, _stack(weights, dtype, aligned_width(n, multiple) - n))
         owner.__dict__["_stacked_weights"] = cached
     return cached[1]
 
@@ -316,8 +341,10 @@ def split_outputs(y: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
     GEMM instead of one per layer plus the adds that sum them): views, or for a layer with a bias, that view plus its
     bias (in ``y``'s dtype). The biases are added per layer, not in the joint GEMM: there a bias gradient would be a
     reduction over every column of the joint output, zeros included (the biased layers here are narrow: KDN's
-    per-head noise projections)."""
-    out = dict(zip(layers, y.split([m.out_features for m in layers.values()], -1)))
+    per-head noise projections). Columns of ``y`` past the layers' widths (:func:`linear`'s alignment) are left
+    out."""
+    widths = [m.out_features for m in layers.values()]
+    out = dict(zip(layers, y.split([*widths, y.shape[-1] - sum(widths)], -1)))
     for name, m in layers.items():
         if m.bias is not None:
             out[name] = out[name] + m.bias.to(y.dtype)
@@ -396,7 +423,7 @@ class DeltaFrontEnd(nn.Module):
         B, T = x.shape[:2]
         step = T == 1 and conv_state is not None and cu_seqlens is None and not torch.is_grad_enabled()
         ws = [m.weight for m in layers.values()]
-        y = linear(x, stacked_weights(self, ws, x) if step else ws)
+        y = linear(x, stacked_weights(self, ws, x, JOINT_MULTIPLE) if step else ws, multiple=JOINT_MULTIPLE)
         fusable = self.q_conv1d.kernel_size[0] == 4 and fla_fused(y, self.fused)
         if conv_state is None and not use_cache and fusable:
             from kdn.modules.conv import front_conv
