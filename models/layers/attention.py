@@ -52,7 +52,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """:func:`rotate`, compiled into one pass on CUDA (eager, it makes about eight FP32 passes over ``x``: a sixth of a
     32K-token windowed layer's time); static shapes when gradients are needed, dynamic otherwise. The angles come in
     as a table computed once for ``q`` and ``k``: computed inside, the compiled kernels evaluate ``pow``, ``sin``
-    and ``cos`` for every element of ``x``, forward and backward, and took 12x the time of the bytes they move."""
+    and ``cos`` for every element of ``x``, forward and backward, and took 11-12x the time of the bytes they move."""
     return compiled_for(rotate, x)(x, cos, sin) if x.is_cuda else rotate(x, cos, sin)
 
 
