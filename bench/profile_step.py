@@ -117,6 +117,10 @@ def report(rows: list[dict]) -> None:
         print(f"\n{'device ms per step':<34}" + "".join(f"{r['mixer']:>12}" for r in grouped))
         for g in names:
             print(f"{g:<34}" + "".join(f"{r['groups_ms'].get(g, 0.0):>12.1f}" for r in grouped))
+        for r in grouped:
+            if r.get("misaligned_gemm_ms", 0.0) > 0:
+                print(f"{r['mixer']}: {r['misaligned_gemm_ms']:.1f} ms a step in GEMMs on operands aligned to fewer "
+                      "than 16 bytes (a width that is not a multiple of 8 in bf16)")
     for r in rows:
         print(f"\n{r['mixer']}: top {'kernels' if 'device_busy_ms' in r else 'operators'} in one step")
         for t in r["top"]:

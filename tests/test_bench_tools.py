@@ -311,6 +311,14 @@ def test_profile_step_kernel_groups() -> None:
                  "fmha_cutlassB_bf16_aligned_64x64_k128_sm80"):
         assert kernel_group(name) == "attention", name
     assert kernel_group("triton_poi_fused__to_copy_cat_mul_sub_0") == "inductor element-wise"
+    from trainer.profiling import misaligned_gemm
+
+    assert misaligned_gemm("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x128_64x3_nn_align2>")
+    assert misaligned_gemm("void cutlass::Kernel2<cutlass_80_tensorop_s16816gemm_bf16_256x128_64x3_nt_align2>")
+    assert misaligned_gemm("void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nt_align1>")
+    assert not misaligned_gemm("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_128x128_32x5_nn_align8>")
+    assert not misaligned_gemm("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_tf32_256x128_16x3_nn_align4>")
+    assert not misaligned_gemm("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN")
 
 
 def test_warm_triton_passes_the_workload_its_own_options() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -39,6 +40,19 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 RECURRENCE = "recurrence and gates (Triton)"
 
 
+_ALIGN = re.compile(r"_align(\d+)")
+
+
+def misaligned_gemm(name: str) -> bool:
+    """Whether a CUTLASS GEMM kernel's name says its operands are aligned to fewer than 16 bytes (``_alignN``: N
+    elements; 8 of bf16/fp16, 4 of fp32). cuBLAS falls back to such kernels when a matrix's rows are not 16-byte
+    aligned (a width that is not a multiple of 8 in bf16), and they run several times slower than Hopper's."""
+    m = _ALIGN.search(name)
+    if m is None:
+        return False
+    return int(m.group(1)) < (8 if any(t in name for t in ("f16", "s16816", "h16816")) else 4)
+
+
 def kernel_group(name: str) -> str:
     """The group of a CUDA kernel's name (see ``KERNEL_GROUPS``)."""
     for group, keys in KERNEL_GROUPS:
@@ -51,7 +65,8 @@ def summarize(prof: profile, wall_ms: float, steps: int, rows: int) -> dict[str,
     """Per-step figures of a profile that covered ``steps`` steps in ``wall_ms`` (synchronised at both ends).
 
     On CUDA: ``device_busy_ms`` (kernel time summed; its shortfall from the wall time is the device idling on the
-    host or a synchronisation), ``device_busy_frac``, ``groups_ms`` (:func:`kernel_group`), ``top`` kernels and
+    host or a synchronisation), ``device_busy_frac``, ``groups_ms`` (:func:`kernel_group`), ``misaligned_gemm_ms``
+    (:func:`misaligned_gemm`), ``top`` kernels and
     ``top_ops`` (the PyTorch operators whose own kernels take the most device time). On the CPU: ``top``
     operators by their own CPU time. Every time is in ms per step."""
     events = prof.key_averages()
@@ -64,8 +79,9 @@ def summarize(prof: profile, wall_ms: float, steps: int, rows: int) -> dict[str,
             group = kernel_group(e.key)
             groups[group] = groups.get(group, 0.0) + e.self_device_time_total / 1e3 / steps
         ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
+        misaligned = sum(e.self_device_time_total for e in kernels if misaligned_gemm(e.key)) / 1e3 / steps
         out |= {"device_busy_ms": busy, "device_busy_frac": busy / out["wall_ms"],
-                "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "misaligned_gemm_ms": misaligned,
                 "top_ops": [{"name": e.key, "calls": e.count / steps, "ms": e.self_device_time_total / 1e3 / steps}
                             for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]]}
         key = "self_device_time_total"
