@@ -207,6 +207,11 @@ def _stack(weights: list[Tensor] | tuple[Tensor, ...], dtype: torch.dtype, pad: 
     return torch.cat(ws) if len(ws) > 1 else ws[0]
 
 
+def _zeros_after(bias: Tensor | None, pad: int) -> Tensor | None:
+    """``bias`` with ``pad`` zeros appended (``None`` stays ``None``)."""
+    return F.pad(bias, (0, pad)) if pad and bias is not None else bias
+
+
 class _AutocastLinear(torch.autograd.Function):
     """``(x, bias | None, pad, *weights) -> x @ cat(weights, zeros(pad))^T + bias`` under autocast, FP32 weights and
     bias (padded with ``pad`` zeros).
@@ -229,26 +234,26 @@ class _AutocastLinear(torch.autograd.Function):
                 _CAST_CACHE[key] = w
         x = x.to(dt)
         ctx.save_for_backward(x, w)
-        ctx.splits = [m.shape[0] for m in weights] + [pad]
+        ctx.splits = [m.shape[0] for m in weights]
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, w, None if bias is None else F.pad(bias.to(dt), (0, pad)) if pad else bias.to(dt))
+            return F.linear(x, w, _zeros_after(None if bias is None else bias.to(dt), pad))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dy = dy.to(w.dtype)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        n = sum(ctx.splits[:-1])
+        n = sum(ctx.splits)  # the padding's columns (past n) have no parameters to give gradients to
         with torch.autocast(x.device.type, enabled=False):
             dx = dy @ w if ctx.needs_input_grad[0] else None
             db = dy2[:, :n].sum(0, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # False without a bias
             if not any(ctx.needs_input_grad[3:]):
-                return dx, db, None, *(None for _ in ctx.splits[:-1])
+                return dx, db, None, *(None for _ in ctx.splits)
             if dy.is_cuda:
                 dw = torch.mm(dy2.t(), x2, out_dtype=torch.float32)
             else:  # no mixed-dtype GEMM here: the same FP32 result from upcast operands
                 dw = dy2.t().float() @ x2.float()
-        return dx, db, None, *dw.split(ctx.splits)[:-1]
+        return dx, db, None, *dw[:n].split(ctx.splits)
 
 
 _CAST_CACHE: dict[tuple, Tensor] | None = None
@@ -290,7 +295,7 @@ def linear(x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None = None
     if torch.is_autocast_enabled(x.device.type) and all(w.dtype == torch.float32 for w in ws) and (
             bias is None or bias.dtype == torch.float32):
         return _AutocastLinear.apply(x, bias, pad, *ws)
-    return F.linear(x, _stack(ws, ws[0].dtype, pad), F.pad(bias, (0, pad)) if pad and bias is not None else bias)
+    return F.linear(x, _stack(ws, ws[0].dtype, pad), _zeros_after(bias, pad))
 
 
 def stacked_weights(owner: nn.Module, weights: list[Tensor], x: Tensor, multiple: int = 1) -> Tensor:
