@@ -330,6 +330,15 @@ def test_warm_triton_passes_the_workload_its_own_options() -> None:
         split_workload(["--workers", "3"])
 
 
+def _gpu_sh_env(tmp_path: Path, out: Path) -> dict[str, str]:
+    """The environment of a bench/gpu.sh run on this machine: results under ``out``, no wheels, site archives or
+    caches to restore or pack, the default stage limits scaled for a slow host."""
+    return {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
+            "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+            "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "GPU_S": f"{timeout_s(560):.0f}",
+            "STAGE_S": f"{timeout_s(240):.0f}"}
+
+
 def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
     """`bench/gpu.sh mqar=ARGS` seeds MQAR_OUT with the job files MQAR_JOBS names, resumes the grid there (here:
     nothing left to train) and returns every job file."""
@@ -340,11 +349,7 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
     cfg, _ = parse_overrides([*args, f"out={tmp_path / 'done'}"])
     assert len(run_grid(cfg, log=lambda _: None)[0]) == 1
     root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
-    env = {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
-           "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "MQAR_OUT": str(tmp_path / "mq"),
-           "MQAR_JOBS": str(tmp_path / "done" / "jobs"), "GPU_S": f"{timeout_s(560):.0f}",
-           "STAGE_S": f"{timeout_s(240):.0f}"}
+    env = _gpu_sh_env(tmp_path, out) | {"MQAR_OUT": str(tmp_path / "mq"), "MQAR_JOBS": str(tmp_path / "done" / "jobs")}
     proc = subprocess.run(["bash", "bench/gpu.sh", "mqar=" + " ".join(args)], cwd=root, capture_output=True,
                           text=True, timeout=timeout_s(600), env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -357,10 +362,7 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
 def test_gpu_bench_stages_of_one_module_write_separate_files(tmp_path: Path) -> None:
     """Two `bench=MODULE` stages of one module keep both results: MODULE.json, then MODULE_2.json."""
     root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
-    env = {**os.environ, "NO_AUTOTUNE_TGZ": "1", "WHEELS": str(tmp_path / "no_wheels"), "OUT": str(out),
-           "SITES": str(tmp_path / "no_sites"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "GPU_S": f"{timeout_s(560):.0f}",
-           "STAGE_S": f"{timeout_s(240):.0f}"}
+    env = _gpu_sh_env(tmp_path, out)
     tiny = "--size toy --parts ruler --samples-per-cell 1 --cells niah_single_1@1024 --ruler-new-tokens 1"
     proc = subprocess.run(["bash", "bench/gpu.sh", f"bench=eval_speed {tiny} --pattern recurrent",
                            f"bench=eval_speed {tiny} --pattern hybrid_swa"], cwd=root, capture_output=True,
