@@ -183,6 +183,8 @@ def test_joint_linear_equals_separate_layers() -> None:
             torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
     padded = linear(x, [m.weight for m in layers.values()], multiple=8)
     assert padded.shape[-1] == 16 and torch.equal(padded[..., 14:], torch.zeros_like(padded[..., 14:]))
+    with pytest.raises(ValueError, match="multiple must be a positive number of columns, got 0"):
+        linear(x, [m.weight for m in layers.values()], multiple=0)
     only = fused_linear(x, {"b": layers["b"]})["b"]
     torch.testing.assert_close(only, layers["b"](x), rtol=0, atol=0)
 

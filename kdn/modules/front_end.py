@@ -277,7 +277,9 @@ def cached_weight_casts() -> Iterator[None]:
 
 
 def aligned_width(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple``."""
+    """``n`` rounded up to a multiple of ``multiple`` (a positive int)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be a positive number of columns, got {multiple}")
     return -(-n // multiple) * multiple
 
 
