@@ -12,7 +12,10 @@ suite truncates to; the lm-eval requests have the test splits' document counts w
 (``LM_SHAPES``, approximate lengths). ``--batch-size auto`` sizes the RULER batches as the suite does (one
 :class:`eval.generation.BatchSearch` per context length, in place); each cell records its batches, and the report
 gives each length's search (samples/s by batch size). The RULER part's ``wall_s`` (sample building included, model
-loading not) is the number to compare with the grid's time budget.
+loading not) is the number to compare with the grid's time budget. Before the parts, one batch of two short prompts
+runs the process's first forwards and decoding steps (``--warmup``, on by default): what they compile (sliding-window
+attention's ``flex_attention``, compiled once with dynamic shapes) and load is timed there, as the header's
+``warmup_s``, and stays out of the parts' times.
 """
 from __future__ import annotations
 
@@ -89,6 +92,18 @@ class ForwardClock:
 
 def _filler(tok: Any, n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, tok.vocab_size) for _ in range(n)]
+
+
+def warm_up(model: Any, tok: Any, eos: int, lengths: tuple[int, int] = (300, 200), new_tokens: int = 4) -> float:
+    """Seconds of one batch of random prompts of ``lengths`` tokens decoding ``new_tokens`` each: a process's first
+    prefill and decoding steps, with whatever they compile."""
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    greedy_generate(model, [_filler(tok, n, rng) for n in lengths], max_new_tokens=new_tokens, stop_ids={eos},
+                    pad_id=eos, batch_size=len(lengths))
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def bench_ruler(model: Any, tok: Any, clock: ForwardClock, cells: list[str], n: int, batch_size: int | str,
@@ -220,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ruler-new-tokens", type=int, default=128, help="RULER decodes 128; fewer for a smoke run")
     ap.add_argument("--cloze-tokens", type=int, default=2048, help="synthetic cloze document length")
     ap.add_argument("--wikitext-tokens", type=int, default=WIKITEXT_TOKENS, help="tokens per WikiText document")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the first forwards (compilation) apart, before the parts")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -246,6 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
                    "commit": versions()["kdn"], "batch_size": batch_size, "lm_batch_size": lm_batch_size,
                    "ruler_new_tokens": args.ruler_new_tokens, "samples_per_cell": args.samples_per_cell}}
+    if args.warmup:
+        with torch.no_grad():
+            report["header"]["warmup_s"] = warm_up(model, tok, tok.eos_id)
+        print(f"warm-up (first forwards and compilation): {report['header']['warmup_s']:.1f} s", flush=True)
     parts = args.parts.split(",")
     runs = {
         "ruler": lambda: bench_ruler(model, tok, clock, cells, args.samples_per_cell, batch_size, tok.eos_id,
