@@ -321,6 +321,31 @@ def test_profile_step_kernel_groups() -> None:
     assert not misaligned_gemm("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN")
 
 
+def test_profile_summary_counts_kernels_once() -> None:
+    """A CUDA user annotation (the optimiser step's range) spans kernels counted on their own: the busy time, the
+    groups and the top kernels leave it out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.profiling import summarize
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key: str, device: torch.autograd.DeviceType, us: float, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, self_cpu_time_total=1.0,
+                               count=2, is_user_annotation=annotation)
+
+    events = [event("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", cuda, 6000.0),
+              event("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<adam>", cuda, 2000.0),
+              event("Optimizer.step#AdamW.step", cuda, 2100.0, annotation=True),
+              event("aten::mm", cpu, 6000.0)]
+    out = summarize(SimpleNamespace(key_averages=lambda: events), wall_ms=20.0, steps=2, rows=5)
+    assert out["device_busy_ms"] == 4.0 and out["device_busy_frac"] == 0.4
+    assert out["groups_ms"] == {"matmul": 3.0, "optimiser": 1.0}
+    assert [t["name"][:6] for t in out["top"]] == ["nvjet_", "void a"]
+
+
 def test_warm_triton_passes_the_workload_its_own_options() -> None:
     from bench.warm_triton import split_workload
 
