@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kdn.ops.triton.gain_lookback import lookback_gain_bwd, lookback_gain_fwd
 from kdn.ops.triton.utils import (
     _DIAG_WARPS,
     _chan,
@@ -335,13 +336,18 @@ def _diag_tiles(H: int, K: int, cu_seqlens: Tensor | None) -> dict[str, int | bo
 def _diag_gain_fwd(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
     cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, A_log: Tensor | None = None,
-    segment_size: int | None = None,
+    segment_size: int | None = None, one_pass: bool = False,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
     """The Diagonal gain's forward launches: ``((kappa, [a, b,] p_T), saved)``, ``saved`` what
     :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``, ``A_log``).
     ``A_log [H]``: ``g`` is the output of KDA's gate with these ``A_log`` (:func:`kdn.ops.triton.gate.kda_gate_fwd`),
     whose backward the gain's takes on (:func:`_diag_gain_bwd`). ``segment_size``: as in
-    :func:`kdn.ops.triton.utils.gain_segments`."""
+    :func:`kdn.ops.triton.utils.gain_segments`. ``one_pass``: one launch instead
+    (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size`` as in its ``lookback_segments``), whose backward must be
+    one pass too."""
+    if one_pass:
+        return lookback_gain_fwd(k, g, omega, r, mu, p0, out_dtype, emit_ab, cu_seqlens, N, L, omega_softplus, A_log,
+                                 segment_size)
     B, T, H, K = k.shape
     k = k.contiguous()
     omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
@@ -366,6 +372,7 @@ def _diag_gain_bwd(
     saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
     omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
     f_dtype: torch.dtype = torch.float32, segment_size: int | None = None, mem_dg_chunk: int = 0,
+    one_pass: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0, dgate)`` from ``saved``
     (:func:`_diag_gain_fwd`) and the gradients of its outputs ``grads = (dkappa, [da, db,] dp_T)``.
@@ -375,7 +382,10 @@ def _diag_gain_bwd(
     each sequence's start) are the gradient, summed in that launch. ``dmu`` is ``None``
     unless ``need_dmu``. When ``g`` came from KDA's gate (``A_log`` saved, :func:`_diag_gain_fwd`), ``dg`` is that of
     the gate's input ``f`` (in ``f_dtype``) and ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32); ``None`` otherwise.
-    ``segment_size``: the forward's."""
+    ``segment_size``, ``one_pass``: the forward's."""
+    if one_pass:
+        return lookback_gain_bwd(saved, grads, emit_ab, N, L, omega_softplus, need_dmu, mem_grads, f_dtype,
+                                 segment_size, mem_dg_chunk)
     k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
     gate = A_log is not None
     H, K = k.shape[2:]
@@ -420,25 +430,27 @@ class _DiagonalGain(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
         p0: Tensor, out_dtype: torch.dtype, emit_ab: bool, cu_seqlens: Tensor | None, N: int, L: int,
-        omega_softplus: bool, segment_size: int | None,
+        omega_softplus: bool, segment_size: int | None, one_pass: bool,
     ) -> tuple[Tensor, ...]:
         outs, saved = _diag_gain_fwd(k, g, omega, r, mu, p0, out_dtype, emit_ab, cu_seqlens, N, L, omega_softplus,
-                                     segment_size=segment_size)
+                                     segment_size=segment_size, one_pass=one_pass)
         ctx.save_for_backward(*saved)
         ctx.emit_ab, ctx.seqs, ctx.omega_softplus, ctx.segment_size = emit_ab, (N, L), omega_softplus, segment_size
+        ctx.one_pass = one_pass
         return outs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         dk, dg, dw, dr, dmu, dp0, _ = _diag_gain_bwd(ctx.saved_tensors, grads, ctx.emit_ab, *ctx.seqs,
                                                      ctx.omega_softplus, ctx.needs_input_grad[4],
-                                                     segment_size=ctx.segment_size)
-        return dk, dg, dw, dr, dmu, dp0, None, None, None, None, None, None, None
+                                                     segment_size=ctx.segment_size, one_pass=ctx.one_pass)
+        return dk, dg, dw, dr, dmu, dp0, *(None,) * 8
 
 
 def diagonal_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
     *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False, segment_size: int | None = None,
+    one_pass: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [N,H,K]`` (FP32).
 
@@ -447,8 +459,9 @@ def diagonal_gain(
     packed sequences along T, ``B = 1``) the number of sequences, each with its own ``p0`` and ``p_T``.
     ``omega_softplus``: ``omega`` holds the process noise before its softplus (any float dtype), applied in the
     kernels (FP32), which saves a pass over ``[B,T,H,K]`` each way. ``segment_size``: tokens per segment of the
-    sequence-parallel scan instead of :func:`kdn.ops.triton.utils.gain_segments`' rule. Differentiable in every
-    tensor input.
+    sequence-parallel scan instead of :func:`kdn.ops.triton.utils.gain_segments`' rule. ``one_pass``: one launch a
+    direction, each input read once (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size`` 16, 32 or 64).
+    Differentiable in every tensor input.
 
     Example::
 
@@ -456,15 +469,16 @@ def diagonal_gain(
     """
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
     return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False, cu_seqlens, N, L, omega_softplus,
-                               segment_size)
+                               segment_size, one_pass)
 
 
 def diagonal_gain_dplr(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
     *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False, segment_size: int | None = None,
+    one_pass: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`diagonal_gain` plus fla's DPLR operands from the same kernel: ``(kappa, a = exp(g) k, b = -kappa,
     p_T)``, the first three ``[B,T,H,K]`` in ``out_dtype``."""
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
     return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True, cu_seqlens, N, L, omega_softplus,
-                               segment_size)
+                               segment_size, one_pass)
