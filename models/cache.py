@@ -88,9 +88,12 @@ class StaticKDNCache(KDNCache):
     Recurrent layers keep their state's tensors (memories in FP32, conv windows) with ``batch_size`` rows; attention
     layers a ring of ``ring_lengths[layer]`` slots (the window when sliding, the longest context when full):
     ``k, v [batch_size, H, L, K]``, ``valid [batch_size, L]``, ``next_pos [batch_size]`` (each row's next RoPE
-    position) and ``cursor [1]`` (the slot the next token takes, modulo ``L``). :meth:`load` copies a prefill's
-    :class:`KDNCache` into the first rows (allocating the buffers on first use); the other rows are idle (zero state,
-    their outputs ignored).
+    position) and ``cursor [1]`` (the slot the next token takes, modulo the view). A step reads and writes the first
+    ``views[layer] <= L`` slots only (default: all ``L``): :meth:`get` gives it ``k, v [batch_size, H, view, K]`` and
+    ``valid [batch_size, view]``, prefix slices of the buffers (same storage, so in-place writes and CUDA graphs
+    captured on them reach the buffers). A view shorter than the ring is exact while no token wraps: prompt and new
+    tokens fit in it. :meth:`load` copies a prefill's :class:`KDNCache` into the first rows (allocating the buffers on
+    first use); the other rows are idle (zero state, their outputs ignored).
     """
 
     static = True
@@ -98,6 +101,24 @@ class StaticKDNCache(KDNCache):
     def __init__(self, batch_size: int, ring_lengths: dict[int, int]) -> None:
         super().__init__()
         self.batch_size, self.ring_lengths = batch_size, dict(ring_lengths)
+        self.views = dict(self.ring_lengths)
+
+    def set_views(self, views: dict[int, int]) -> None:
+        """Read the first ``views[layer]`` slots of each attention layer's ring (a layer not in ``views``: all)."""
+        for i, n in views.items():
+            ring = self.ring_lengths.get(i)
+            if ring is None or isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= ring:
+                raise ValueError(f"layer {i} cannot read a view of {n!r} slots: give an int in [1, its ring length] "
+                                 f"(ring lengths: {self.ring_lengths})")
+        self.views = {i: views.get(i, ring) for i, ring in self.ring_lengths.items()}
+
+    def get(self, layer_idx: int) -> dict[str, Any] | None:
+        """A layer's buffers; for an attention layer read through a shorter view, ``k, v, valid`` cut to the view."""
+        state = self.layers.get(layer_idx)
+        view = self.views.get(layer_idx)
+        if state is None or view is None or view == self.ring_lengths[layer_idx]:
+            return state
+        return {**state, "k": state["k"][:, :, :view], "v": state["v"][:, :, :view], "valid": state["valid"][:, :view]}
 
     def update(self, layer_idx: int, **state: Any) -> None:
         """Copy a layer's new state into its buffers (a tensor the step updated in place is left as it is)."""
@@ -127,9 +148,10 @@ class StaticKDNCache(KDNCache):
     def _load_attention(self, i: int, state: dict[str, Tensor], rows: int) -> None:
         k = state["k"]
         _, H, L, K = k.shape
-        ring = self.ring_lengths[i]
-        if L > ring:
-            raise ValueError(f"layer {i} keeps {L} past keys but its static ring holds {ring}: raise max_cache_len")
+        ring, view = self.ring_lengths[i], self.views[i]
+        if L > view:
+            fix = "raise max_cache_len" if view == ring else f"set a view of at least {L} slots (set_views)"
+            raise ValueError(f"layer {i} keeps {L} past keys but its static ring reads {view} slots: {fix}")
         if i not in self.layers:
             B = self.batch_size
             self.layers[i] = {

@@ -5,9 +5,10 @@ cost over static buffers, replayed from a CUDA graph on CUDA.
   is computed) and run once through the model with a :class:`models.cache.KDNCache`; the logits of each prompt's last
   token give the first new token, and the cache is copied into a :class:`models.cache.StaticKDNCache`.
 - **Decode**: :class:`StaticDecoder` runs the model on ``[bucket, 1]`` token ids against the static cache: every
-  layer reads and writes fixed buffers (recurrent states, conv windows, attention rings), with no host sync. On CUDA
-  the step is captured once per (batch bucket, dtype, autocast dtype, attention ring lengths) and replayed; graphs
-  live on the model (:func:`decoders`) and are reused by later calls.
+  layer reads and writes fixed buffers (recurrent states, conv windows, attention rings), with no host sync; an
+  attention layer reads only the prefix of its ring that the call's context needs (:func:`ring_views`). On CUDA the
+  step is captured once per (batch bucket, dtype, autocast dtype, attention ring lengths, ring views) and replayed;
+  graphs live on the model (:func:`decoders`) and are reused by later calls.
 - **Sampling**: greedy, temperature, top-k, top-p (Gumbel-max draws, no host sync); EOS tokens and stop strings end
   rows independently; the host looks at the rows every ``check_every`` tokens (the only syncs of the loop).
 
@@ -73,7 +74,9 @@ class StaticDecoder:
     """The one-token step of ``model`` for ``batch_size`` rows over a :class:`StaticKDNCache`.
 
     ``ids [batch_size, 1]`` is the input buffer; :meth:`step` returns the logits ``[batch_size, V]`` of the next
-    token (a buffer the graph rewrites on every replay when captured).
+    token (a buffer the graph rewrites on every replay when captured). The step reads the cache's current ring views
+    (:meth:`StaticKDNCache.set_views`); one CUDA graph is kept per views, all in the memory pool ``pool``, so
+    switching between views captured before captures nothing.
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, ring_lengths: dict[int, int], device: torch.device,
@@ -81,9 +84,19 @@ class StaticDecoder:
         self.model, self.batch_size, self.cuda_graph, self.pool = model, batch_size, cuda_graph, pool
         self.cache = StaticKDNCache(batch_size, ring_lengths)
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: Tensor | None = None
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # views -> (graph, logits)
         self.captures = 0
+
+    @property
+    def views(self) -> tuple[int, ...]:
+        """The cache's ring views, one per attention layer (the key of the step's graph)."""
+        return tuple(self.cache.views.values())
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The step's CUDA graph for the current views (``None`` before :meth:`capture`)."""
+        captured = self.graphs.get(self.views)
+        return captured[0] if captured is not None else None
 
     def _forward(self) -> Tensor:
         out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
@@ -104,15 +117,16 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), amp:
-            self.logits = self._forward()
-        self.graph = graph
+            logits = self._forward()
+        self.graphs[self.views] = graph, logits
         self.captures += 1
 
     def step(self) -> Tensor:
         """The next-token logits ``[batch_size, V]`` of the tokens in :attr:`ids`; the cache advances one token."""
-        if self.graph is not None:
-            self.graph.replay()
-            return self.logits
+        captured = self.graphs.get(self.views)
+        if captured is not None:
+            captured[0].replay()
+            return captured[1]
         return self._forward()
 
 
@@ -134,9 +148,14 @@ def check_prompts(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return mask
 
 
+def _round_up(n: int) -> int:
+    return -(-n // RING_MULTIPLE) * RING_MULTIPLE
+
+
 def ring_lengths(model: torch.nn.Module, longest: int, max_cache_len: int | None) -> dict[int, int]:
     """Each attention layer's ring: its window when sliding; for full attention ``max_cache_len`` (default: the
-    ``longest`` context rounded up to :data:`RING_MULTIPLE`), which must hold ``longest`` tokens."""
+    ``longest`` context rounded up to :data:`RING_MULTIPLE`), which must hold ``longest`` tokens. A decoder's rings
+    may be longer than a call's (they grow to the longest call); each call reads its :func:`ring_views`."""
     from models.layers.attention import Attention
 
     rings = {}
@@ -147,12 +166,21 @@ def ring_lengths(model: torch.nn.Module, longest: int, max_cache_len: int | None
         if mixer.window is not None:
             rings[i] = mixer.window
             continue
-        cap = max_cache_len if max_cache_len is not None else -(-longest // RING_MULTIPLE) * RING_MULTIPLE
+        cap = max_cache_len if max_cache_len is not None else _round_up(longest)
         if longest > cap:
             raise ValueError(f"the prompt and new tokens need {longest} positions but the full-attention layers hold "
                              f"max_cache_len={cap}; shorten the prompt, lower max_new_tokens or raise max_cache_len")
         rings[i] = cap
     return rings
+
+
+def ring_views(rings: dict[int, int], longest: int) -> dict[int, int]:
+    """The slots each attention layer reads for contexts of ``longest`` positions (prompt and new tokens): the first
+    ``longest`` rounded up to :data:`RING_MULTIPLE`, at most its whole ring ``rings[layer]``. Exact: below the view no
+    token wraps (a prompt of ``L`` keys fills slots ``[0, L)``, the new tokens the next ones), so the slots past it
+    hold no valid key; a sliding layer whose window is shorter than ``longest`` reads (and wraps) its whole ring."""
+    need = _round_up(longest)
+    return {i: min(n, need) for i, n in rings.items()}
 
 
 @torch.no_grad()
@@ -293,7 +321,8 @@ def generate(
         batch_buckets: the batch sizes a step is built for (default :data:`BUCKETS`, then powers of two); a batch
             runs in the smallest bucket that holds it, the rows beyond it idle.
         max_cache_len: positions a full-attention layer holds (prompt and new tokens); default the need, rounded
-            up to :data:`RING_MULTIPLE`.
+            up to :data:`RING_MULTIPLE`. However long a decoder's rings have grown, a step reads the first slots of
+            each, the need rounded up to :data:`RING_MULTIPLE` (:func:`ring_views`).
         generator: the random generator of sampling (on the model's device).
         output_scores: also return every new token's FP32 logits.
         check_every: new tokens between the host's looks at EOS and stop strings (its only syncs).
@@ -310,7 +339,8 @@ def generate(
     B, T = input_ids.shape
     device = input_ids.device
     bucket = _bucket(B, batch_buckets)
-    rings = ring_lengths(model, int(mask.sum(1).max()) + max_new_tokens, max_cache_len)
+    longest = int(mask.sum(1).max()) + max_new_tokens
+    rings = ring_lengths(model, longest, max_cache_len)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     if cuda_graph is None:
@@ -322,6 +352,7 @@ def generate(
     decoder = None
     if max_new_tokens > 1:
         decoder = _decoder(model, bucket, rings, device, cuda_graph)
+        decoder.cache.set_views(ring_views(decoder.cache.ring_lengths, longest))
         decoder.cache.load(cache, B)
         if cuda_graph and decoder.graph is None:
             decoder.capture()

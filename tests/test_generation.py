@@ -5,6 +5,7 @@ rows independently; sampling options; the HF route; one-line errors for bad inpu
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -306,3 +307,96 @@ def test_decoding_sees_in_place_weight_updates() -> None:
     with torch.no_grad():
         full = model(res.sequences[:1]).logits[0, 6:-1]
     assert _rel(res.scores[0], full) < 1e-5
+
+
+def _windowed_model() -> torch.nn.Module:
+    """Recurrent, sliding (window 300) and full attention: short contexts read a 256-slot view of the 300-slot ring."""
+    torch.manual_seed(0)
+    cfg = model_config("toy", "kdn_diag", "RSA", vocab_size=V, num_layers=3, window=300)
+    return build_model(cfg).float().eval()
+
+
+def _views_seen(model: torch.nn.Module) -> dict[int, list[int]]:
+    """Record the ring slots each attention layer's one-token step reads (``k.shape[2]``)."""
+    seen: dict[int, list[int]] = {1: [], 2: []}
+    for i, slots in seen.items():
+        mixer = model.model.layers[i].mixer
+
+        def step(x: torch.Tensor, state: dict, slots: list[int] = slots, inner: Callable = mixer.static_step
+                 ) -> torch.Tensor:
+            slots.append(state["k"].shape[2])
+            return inner(x, state)
+
+        mixer.static_step = step
+    return seen
+
+
+def _check_full_forward(model: torch.nn.Module, res: object, rows: list[torch.Tensor], T: int) -> None:
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            full = model(torch.cat([r, res.sequences[i, T:]])[None]).logits[0, len(r) - 1:-1]
+            assert torch.equal(res.scores[i].argmax(-1), res.sequences[i, T:])
+            assert _rel(res.scores[i], full) < 1e-5
+
+
+def test_short_contexts_read_a_prefix_view_of_the_rings() -> None:
+    """9 + 12 positions read the first 256 slots of the sliding ring (300) and the same logits as the full forward;
+    a view is checked and a prefill longer than it is refused."""
+    model = _windowed_model()
+    seen = _views_seen(model)
+    ids, mask, rows = _prompts((9, 5))
+    res = generate(model, ids, NEW, attention_mask=mask, output_scores=True, cuda_graph=False)
+    _check_full_forward(model, res, rows, 9)
+    (decoder,) = decoders(model).decoders.values()
+    cache = decoder.cache
+    assert cache.ring_lengths == {1: 300, 2: 256} and cache.views == {1: 256, 2: 256}
+    assert seen == {1: [256] * (NEW - 1), 2: [256] * (NEW - 1)}
+    assert cache.get(1)["k"].shape[2] == 256 and cache.get(1)["k"].data_ptr() == cache.layers[1]["k"].data_ptr()
+    for views in ({1: 301}, {1: 0}, {0: 8}):
+        with pytest.raises(ValueError, match="cannot read a view") as err:
+            cache.set_views(views)
+        assert "\n" not in str(err.value)
+    cache.set_views({1: 8})
+    with pytest.raises(ValueError, match="at least 9 slots"):
+        cache.load(prefill(model, ids, mask.bool())[1], 2)
+
+
+def test_long_contexts_wrap_the_sliding_ring_at_the_window() -> None:
+    """290 + 20 positions pass the window (300): the sliding layer reads and wraps its whole ring, the full-attention
+    layer a ring of 512; the logits are the full forward's."""
+    model = _windowed_model()
+    seen = _views_seen(model)
+    ids, mask, rows = _prompts((290, 250), seed=2)
+    res = generate(model, ids, 20, attention_mask=mask, output_scores=True, cuda_graph=False)
+    _check_full_forward(model, res, rows, 290)
+    (decoder,) = decoders(model).decoders.values()
+    assert decoder.cache.views == {1: 300, 2: 512} and seen == {1: [300] * 19, 2: [512] * 19}
+    assert int(decoder.cache.layers[1]["cursor"]) == 290 + 19  # past the ring: slots 0..8 were written again
+
+
+def test_one_decoder_switches_views_as_fresh_decoders_decode() -> None:
+    """Long, short, then long contexts on one decoder (its rings kept, its views switched) give the tokens and logits
+    of fresh decoders."""
+    model = _windowed_model()
+    long_ids, long_mask, _ = _prompts((290, 250), seed=2)
+    short_ids, short_mask, _ = _prompts((9, 5))
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, new: int) -> object:
+        return generate(model, ids, new, attention_mask=mask, output_scores=True, cuda_graph=False)
+
+    fresh = []
+    for ids, mask, new in ((long_ids, long_mask, 20), (short_ids, short_mask, NEW)):
+        release(model)
+        fresh.append(run(ids, mask, new))
+    release(model)
+    pool = decoders(model)
+    used = []
+    for (ids, mask, new), ref, views in zip(
+            ((long_ids, long_mask, 20), (short_ids, short_mask, NEW), (long_ids, long_mask, 20)),
+            (fresh[0], fresh[1], fresh[0]), ({1: 300, 2: 512}, {1: 256, 2: 256}, {1: 300, 2: 512})):
+        res = run(ids, mask, new)
+        (decoder,) = pool.decoders.values()
+        used.append(decoder)
+        assert decoder.cache.ring_lengths == {1: 300, 2: 512} and decoder.cache.views == views
+        assert torch.equal(res.sequences, ref.sequences) and _rel(res.scores, ref.scores) < 1e-6
+    assert used[0] is used[1] is used[2]
