@@ -3,9 +3,9 @@
 Against the float64 PyTorch reference (``kdn.ops.gain``), FP32: the gain, the final uncertainty and the gradient of
 every input (``mu`` and ``p0`` included) over several groups of segments (the carries cross groups), ``K`` not a
 power of two, strong forgetting, omega before its softplus, fla's DPLR operands, packed sequences (an empty one, a
-one-token one, one shorter than a segment) and a bf16 gain. Against the three-launch gain: the same values to FP32
-rounding, and bitwise the same on a second run. Diagonal KDN's gain and asymmetric memory as one node with the
-one-launch gain: :func:`test_kdn_triton_interpret.fused_errors`, padded and packed with KDA's gate. The interpreter
+one-token one, one shorter than a segment) and a bf16 gain; bitwise the same on a second run; against the
+three-launch gain, the same values to FP32 rounding. Diagonal KDN's gain and asymmetric memory as one node with the
+one-launch gain: :func:`test_kdn_triton_interpret.fused_errors`, packed, with KDA's gate. The interpreter
 runs the programs one after another, so it checks the arithmetic and the order of the carries, not the waiting:
 that runs in the GPU suite (tests/test_kdn_triton.py).
 """
@@ -63,31 +63,30 @@ def grads(outs, l):
     return {"d" + n: t.grad.clone() for n, t in l.items()}
 
 
-def case(B, T, H, K, seg, dtype=torch.float32, dplr=False, softplus=False, lens=None, seed=1):
+def case(B, T, H, K, seg, dtype=torch.float32, dplr=False, softplus=False, lens=None, three=False, seed=1):
+    # the one-launch gain twice (bitwise), and with `three` the three-launch gain (its token loops are slow here)
     l64 = leaves(B, T, H, K, B if lens is None else len(lens), softplus, seed)
     l64["k"] = l64["k"].detach().to(dtype).double().requires_grad_()
     runs = []
-    for one_pass in (True, True, False):
+    for one_pass in (True, True, False)[:3 if three else 2]:
         l32 = {n: t.detach().to(dtype if n == "k" else torch.float32).requires_grad_() for n, t in l64.items()}
         outs = run(l32, dtype, dplr, lens, omega_softplus=softplus, segment_size=seg if one_pass else None,
                    one_pass=one_pass)
-        runs.append(({f"out{i}": o.detach() for i, o in enumerate(outs)}, grads(outs, l32)))
+        runs.append({f"out{i}": o.detach() for i, o in enumerate(outs)} | grads(outs, l32))
     o64 = reference(l64, softplus, dplr, lens)
-    g64 = grads(o64, l64)
-    (o1, d1), (o2, d2), (o3, d3) = runs
-    first, second, three = o1 | d1, o2 | d2, o3 | d3
-    errs = {f"out{i}": rel_err(o1[f"out{i}"], o) for i, o in enumerate(o64)}
+    ref_all = {f"out{i}": o.detach() for i, o in enumerate(o64)} | grads(o64, l64)
+    first = runs[0]
     return {
-        "ref": errs | {name: rel_err(d1[name], g64[name]) for name in g64},
-        "three_launch": {name: rel_err(first[name], three[name]) for name in first},
-        "bitwise": all(torch.equal(first[name], second[name]) for name in first),
+        "ref": {name: rel_err(first[name], ref_all[name]) for name in first},
+        "three_launch": {name: rel_err(first[name], runs[2][name]) for name in first} if three else None,
+        "bitwise": all(torch.equal(first[name], runs[1][name]) for name in first),
     }
 
 
 cases = {  # name: (tolerance against float64, arguments of case)
-    "groups_seg16": (1e-5, (2, 300, 2, 12, 16)),  # 19 segments a sequence: three groups, the last segment partial
-    "dplr_softplus_seg32": (1e-5, (1, 77, 2, 12, 32), {"dplr": True, "softplus": True}),
-    "K72_seg64": (1e-5, (1, 150, 2, 72, 64)),
+    "groups_seg16": (1e-5, (1, 300, 2, 12, 16)),  # 19 segments a sequence: three groups, the last segment partial
+    "dplr_softplus_seg32": (1e-5, (1, 77, 2, 12, 32), {"dplr": True, "softplus": True, "three": True}),
+    "seg64": (1e-5, (2, 150, 1, 20, 64)),
     "packed_seg16": (1e-5, (1, 188, 2, 12, 16), {"lens": (40, 0, 1, 130, 17)}),
     "bf16_seg32": (1e-2, (1, 96, 2, 12, 32), {"dtype": torch.bfloat16}),
 }
@@ -104,8 +103,7 @@ import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 from test_kdn_triton_interpret import fused_errors
 cases = {  # name: (lengths of packed sequences or None, B, T, g_min, omega before its softplus, KDA's gate, segment)
-    "padded": (None, 2, 77, -3.0, True, False, 16),
-    "packed": ((20, 64, 5), 1, 89, -12.0, False, True, 32),
+    "packed": ((20, 64, 5), 1, 89, -12.0, True, True, 32),
 }
 out = {name: fused_errors(*c[:5], H=2, K=16, gate=c[5], segment_size=c[6], one_pass=True) for name, c in cases.items()}
 print(json.dumps(out))
@@ -123,20 +121,22 @@ def test_one_launch_gain_matches_reference_and_three_launch_gain(interpreted: di
     assert len(report) == 5
     for name, (tol, r) in report.items():
         assert len(r["ref"]) >= 8 and max(r["ref"].values()) < tol, (name, r["ref"])
-        # the same arithmetic in another order: FP32 rounding apart (bf16 outputs: a rounding of the gain)
-        assert max(r["three_launch"].values()) < (1e-2 if name.startswith("bf16") else 2e-6), (name, r["three_launch"])
         assert r["bitwise"], name
+    # the same arithmetic in another order: FP32 rounding apart
+    three = report["dplr_softplus_seg32"][1]["three_launch"]
+    assert len(three) == 10 and max(three.values()) < 2e-6, three
 
 
 def test_fused_node_with_one_launch_gain(interpreted: dict[str, dict]) -> None:
-    """As :func:`test_kdn_triton_interpret.test_fused_gain_and_memory_in_interpreter`, with the one-launch gain: its
-    backward adds the memory's gradients of ``k`` and ``g`` (``dg``'s within the memory's chunks of 64 tokens, which
-    segments of 16 and 32 divide) and takes them through KDA's gate."""
+    """As :func:`test_kdn_triton_interpret.test_fused_gain_and_memory_in_interpreter`, with the one-launch gain, packed
+    sequences, omega before its softplus and KDA's gate: its backward adds the memory's gradients of ``k`` and ``g``
+    (``dg``'s within the memory's chunks of 64 tokens, which segments of 32 divide: the chunk's later half is summed
+    after the segment) and takes them through the gate."""
     pytest.importorskip("fla")
     report = triton_interpret.result(interpreted, "fused")
-    assert report.keys() == {"padded", "packed"}
+    assert report.keys() == {"packed"}
     for case, r in report.items():
-        gated = {"dA_log", "ddt_bias"} if case == "packed" else set()
+        gated = {"dA_log", "ddt_bias"}
         tol = {"dA_log": 5e-4}  # a sum of terms of both signs (test_kdn_triton_interpret)
         assert len(r["ref"]) == 12 + len(gated), (case, r["ref"])
         assert all(e < tol.get(n, 5e-5) for n, e in r["ref"].items()), (case, r["ref"])
