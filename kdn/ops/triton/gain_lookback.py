@@ -15,7 +15,8 @@ every token's ``p`` in FP32 for its backward. Here a program holds one (sequence
   segments, latest first, and applies them to the value entering the group, which the group's last segment
   publishes after applying its own map to its carry. The result does not depend on which programs ran first (bitwise
   the same from run to run), and the serial chain is one link per group. Programs take their segment from an atomic
-  ticket in launch order, so a program only waits for programs that started before it.
+  ticket in launch order, so a program only waits for programs that started before it; tickets run over every
+  (sequence, head) before the next segment, so the programs resident at once span all the chains.
 - **Backward.** From the saved carries, each program recomputes ``p^`` by the same scan and ``p_{t-1}`` (the
   previous row through its update, gathered), forms the adjoint steps ``lambda_{t-1} = a (e + lambda_t / d^2)``
   (``d = 1 + u p^``, ``e`` the direct gradient of ``p^``), composes them over the reversed rows
@@ -132,10 +133,13 @@ def _lb_segment_map(P11, P12, P21, P22, kf, r, mu, sel):
 def _lb_program(flag_ptr, cu_ptr, NS, NHS, T, SEG: tl.constexpr, H: tl.constexpr, IS_VARLEN: tl.constexpr,
                 REVERSE: tl.constexpr):
     # this program's (sequence*head, segment) from its ticket: segments in time order (latest first when REVERSE),
-    # so that a program waits only for programs that took their tickets before it
+    # so that a program waits only for programs that took their tickets before it; every sequence*head's segment
+    # before any one's next, so that the programs running at once advance all the carry chains together rather than
+    # a few chains link by link
     ticket = tl.atomic_add(flag_ptr + NHS, 1).to(tl.int64)
-    bh = ticket // NS
-    s = ticket % NS
+    NH = NHS // NS
+    bh = ticket % NH
+    s = ticket // NH
     if REVERSE:
         s = NS - 1 - s
     bos, Tn = _sequence(cu_ptr, bh // H, T, IS_VARLEN)
