@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kdn.ops.triton.gain_lookback import lookback_gain_bwd, lookback_gain_fwd
+from kdn.ops.triton.gain_lookback import lookback_bwd_launch, lookback_fwd_launch, lookback_segments
 from kdn.ops.triton.utils import (
     _DIAG_WARPS,
     _chan,
@@ -345,25 +345,26 @@ def _diag_gain_fwd(
     :func:`kdn.ops.triton.utils.gain_segments`. ``one_pass``: one launch instead
     (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size`` as in its ``lookback_segments``), whose backward must be
     one pass too."""
-    if one_pass:
-        return lookback_gain_fwd(k, g, omega, r, mu, p0, out_dtype, emit_ab, cu_seqlens, N, L, omega_softplus, A_log,
-                                 segment_size)
     B, T, H, K = k.shape
     k = k.contiguous()
     omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
     g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
-    SEG, NS = gain_segments(False, N * H, L, segment_size)
+    SEG, NS = lookback_segments(L, segment_size) if one_pass else gain_segments(False, N * H, L, segment_size)
     kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
     a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
-    seg = p0.new_empty(N * H, NS, 4, K)
     carry = p0.new_empty(N * H, NS, K)
     pT = torch.empty_like(p0)
-    tiles = _diag_tiles(H, K, cu_seqlens)
-    act = {"OMEGA_SOFTPLUS": omega_softplus}
-    _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
-    _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
-    _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
-                                       EMIT_AB=emit_ab, **tiles, **act)
+    if one_pass:
+        lookback_fwd_launch(k, g, omega, r, mu, p0, carry, kappa, a, b, pT, cu_seqlens, L, SEG, emit_ab,
+                            omega_softplus)
+    else:
+        seg = p0.new_empty(N * H, NS, 4, K)
+        tiles = _diag_tiles(H, K, cu_seqlens)
+        act = {"OMEGA_SOFTPLUS": omega_softplus}
+        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
+        _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
+        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
+                                           EMIT_AB=emit_ab, **tiles, **act)
     saved = (k, g, omega, r, mu, carry, cu_seqlens, None if A_log is None else A_log.float().contiguous())
     return (kappa, a, b, pT) if emit_ab else (kappa, pT), saved
 
@@ -383,19 +384,13 @@ def _diag_gain_bwd(
     unless ``need_dmu``. When ``g`` came from KDA's gate (``A_log`` saved, :func:`_diag_gain_fwd`), ``dg`` is that of
     the gate's input ``f`` (in ``f_dtype``) and ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32); ``None`` otherwise.
     ``segment_size``, ``one_pass``: the forward's."""
-    if one_pass:
-        return lookback_gain_bwd(saved, grads, emit_ab, N, L, omega_softplus, need_dmu, mem_grads, f_dtype,
-                                 segment_size, mem_dg_chunk)
     k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
     gate = A_log is not None
     H, K = k.shape[2:]
-    SEG, NS = gain_segments(False, N * H, L, segment_size)
+    SEG, NS = lookback_segments(L, segment_size) if one_pass else gain_segments(False, N * H, L, segment_size)
     dkappa, *rest, dpT = (x.contiguous() for x in grads)
     da, db = rest if emit_ab else (dkappa, dkappa)
     dk_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dkappa, dkappa)
-    post = torch.empty_like(g)
-    seg = carry.new_empty(N * H, NS, 2, K)
-    lam = torch.empty_like(carry)
     dk = torch.empty_like(k)
     dg = torch.empty_like(g, dtype=f_dtype if gate else g.dtype)
     dw = torch.empty_like(omega)  # of omega's input when omega_softplus
@@ -403,16 +398,23 @@ def _diag_gain_bwd(
     dp0 = carry.new_empty(N, H, K)
     dmu = carry.new_empty(N, H, NS)
     dA, dbias = (carry.new_empty(N, H, NS), carry.new_empty(N, H, NS, K)) if gate else (dmu, dmu)
-    tiles = _diag_tiles(H, K, cu_seqlens)
-    act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
-    _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
-                                      SEG, **tiles, **act)
-    _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
-    _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da, db,
-                                       dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
-                                       ACCUMULATE=mem_grads is not None, GATE=gate,
-                                       DG_CHUNK=mem_dg_chunk if mem_grads is not None else 0, **tiles,
-                                       **act)
+    outs = (dk, dg, dw, dr, dmu, dp0, dA, dbias)
+    flags = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus, "GATE": gate, "ACCUMULATE": mem_grads is not None,
+             "DG_CHUNK": mem_dg_chunk if mem_grads is not None else 0}
+    if one_pass:
+        lookback_bwd_launch(saved, (dkappa, da, db, dpT.float().contiguous(), dk_mem, dg_mem), outs, L, SEG, flags)
+    else:
+        post = torch.empty_like(g)
+        seg = carry.new_empty(N * H, NS, 2, K)
+        lam = torch.empty_like(carry)
+        tiles = _diag_tiles(H, K, cu_seqlens)
+        act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
+        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
+                                          SEG, **tiles, **act)
+        _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
+        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da,
+                                           db, dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
+                                           **tiles, **flags)
     dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
     return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0, dgate
 

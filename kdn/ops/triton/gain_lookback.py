@@ -344,65 +344,41 @@ def _tiles(H: int, K: int, seg: int, cu_seqlens: Tensor | None) -> dict[str, int
             "IS_VARLEN": cu_seqlens is not None, "num_warps": LOOKBACK_WARPS}
 
 
-def lookback_gain_fwd(
-    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
-    cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, A_log: Tensor | None = None,
-    segment_size: int | None = None,
-) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
-    """The one-launch forward, with the arguments and results of
-    :func:`kdn.ops.triton.gain_diagonal._diag_gain_fwd` (the carries kept for :func:`lookback_gain_bwd` are those
-    of :func:`lookback_segments`' segments)."""
-    B, T, H, K = k.shape
-    k = k.contiguous()
-    omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
-    g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
-    seg, NS = lookback_segments(L, segment_size)
-    NHS = N * H * NS
-    kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
-    a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
-    maps = p0.new_empty(NHS, 4, K)
-    grp = p0.new_empty(NHS, K)
-    carry = p0.new_empty(N * H, NS, K)
-    flags = torch.zeros(NHS + 1, dtype=torch.int32, device=k.device)
-    pT = torch.empty_like(p0)
-    _lb_fwd_kernel[(NHS,)](k, g, omega, r, mu, p0, maps, grp, flags, carry, kappa, a, b, pT, cu_seqlens, L, NS, NHS,
-                           EMIT_AB=emit_ab, OMEGA_SOFTPLUS=omega_softplus, **_tiles(H, K, seg, cu_seqlens))
-    saved = (k, g, omega, r, mu, carry, cu_seqlens, None if A_log is None else A_log.float().contiguous())
-    return (kappa, a, b, pT) if emit_ab else (kappa, pT), saved
-
-
-def lookback_gain_bwd(
-    saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
-    omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
-    f_dtype: torch.dtype = torch.float32, segment_size: int | None = None, mem_dg_chunk: int = 0,
-) -> tuple[Tensor | None, ...]:
-    """The one-launch backward, with the arguments and results of
-    :func:`kdn.ops.triton.gain_diagonal._diag_gain_bwd` (``saved`` from :func:`lookback_gain_fwd` with the same
-    ``segment_size``; ``mem_dg_chunk`` a multiple of the segment)."""
-    k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
-    gate = A_log is not None
+def lookback_fwd_launch(
+    k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, carry: Tensor, kappa: Tensor, a: Tensor,
+    b: Tensor, pT: Tensor, cu_seqlens: Tensor | None, L: int, seg: int, emit_ab: bool, omega_softplus: bool,
+) -> None:
+    """The one-launch forward into the buffers that :func:`kdn.ops.triton.gain_diagonal._diag_gain_fwd` prepared
+    (contiguous inputs, FP32 gates): ``carry [N*H, NS, K]`` (:func:`lookback_segments`' segments), ``kappa`` (and
+    ``a, b`` when ``emit_ab``), ``p_T``."""
     H, K = k.shape[2:]
-    seg, NS = lookback_segments(L, segment_size)
-    dg_chunk = mem_dg_chunk if mem_grads is not None else 0
-    if dg_chunk % seg:
-        raise ValueError(f"the memory's chunk of {dg_chunk} tokens must be a multiple of the gain's segment of {seg}")
-    NHS = N * H * NS
-    dkappa, *rest, dpT = (x.contiguous() for x in grads)
-    da, db = rest if emit_ab else (dkappa, dkappa)
-    dk_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dkappa, dkappa)
-    maps = carry.new_empty(NHS, 2, K)
+    NHS = carry.shape[0] * carry.shape[1]
+    maps = carry.new_empty(NHS, 4, K)
     grp = carry.new_empty(NHS, K)
     flags = torch.zeros(NHS + 1, dtype=torch.int32, device=k.device)
-    dk = torch.empty_like(k)
-    dg = torch.empty_like(g, dtype=f_dtype if gate else g.dtype)
-    dw = torch.empty_like(omega)  # of omega's input when omega_softplus
-    dr = torch.empty_like(r)
-    dp0 = carry.new_empty(N, H, K)
-    dmu = carry.new_empty(NHS)
-    dA, dbias = (carry.new_empty(NHS), carry.new_empty(NHS, K)) if gate else (dmu, dmu)
-    _lb_bwd_kernel[(NHS,)](k, g, omega, r, mu, A_log if gate else mu, carry, dkappa, da, db, dpT.float().contiguous(),
-                           dk_mem, dg_mem, maps, grp, flags, dk, dg, dw, dr, dmu, dp0, dA, dbias, cu_seqlens, L, NS,
-                           NHS, EMIT_AB=emit_ab, OMEGA_SOFTPLUS=omega_softplus, GATE=gate,
-                           ACCUMULATE=mem_grads is not None, DG_CHUNK=dg_chunk, **_tiles(H, K, seg, cu_seqlens))
-    dgate = (dA.view(N, H, NS).sum((0, 2)), dbias.view(N, H, NS, K).sum((0, 2)).view(-1)) if gate else None
-    return dk, dg, dw, dr, dmu.view(N, H, NS).sum((0, 2)) if need_dmu else None, dp0, dgate
+    _lb_fwd_kernel[(NHS,)](k, g, omega, r, mu, p0, maps, grp, flags, carry, kappa, a, b, pT, cu_seqlens, L,
+                           carry.shape[1], NHS, EMIT_AB=emit_ab, OMEGA_SOFTPLUS=omega_softplus,
+                           **_tiles(H, K, seg, cu_seqlens))
+
+
+def lookback_bwd_launch(
+    saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], outs: tuple[Tensor, ...], L: int, seg: int,
+    flags: dict[str, bool | int],
+) -> None:
+    """The one-launch backward into the buffers that :func:`kdn.ops.triton.gain_diagonal._diag_gain_bwd` prepared:
+    ``saved`` from the forward, ``grads = (dkappa, da, db, dp_T, dk_mem, dg_mem)`` (stand-ins where unused),
+    ``outs = (dk, dg, domega, dr, dmu, dp0, dA, dbias)`` (``dmu, dA [N, H, NS]``, ``dbias [N, H, NS, K]``: each
+    program's partial sums), ``flags`` the kernel's ``EMIT_AB, OMEGA_SOFTPLUS, GATE, ACCUMULATE, DG_CHUNK`` (a
+    multiple of ``seg``)."""
+    k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
+    if flags["DG_CHUNK"] % seg:
+        raise ValueError(f"the memory's chunk of {flags['DG_CHUNK']} tokens must be a multiple of the gain's segment "
+                         f"of {seg}")
+    H, K = k.shape[2:]
+    NS = carry.shape[1]
+    NHS = carry.shape[0] * NS
+    maps = carry.new_empty(NHS, 2, K)
+    grp = carry.new_empty(NHS, K)
+    ready = torch.zeros(NHS + 1, dtype=torch.int32, device=k.device)
+    _lb_bwd_kernel[(NHS,)](k, g, omega, r, mu, A_log if flags["GATE"] else mu, carry, *grads, maps,
+                           grp, ready, *outs, cu_seqlens, L, NS, NHS, **flags, **_tiles(H, K, seg, cu_seqlens))
