@@ -39,3 +39,20 @@ def rel_err(x: Tensor, ref: Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64."""
     x, ref = x.detach().double(), ref.detach().double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def packed_diagonal_gain(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor,
+                         lens: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:
+    """The PyTorch reference Diagonal gain (``kdn.ops.gain.diagonal_gain``) of ``[1, sum(lens), ...]`` packed
+    sequences, one at a time (``lens`` None: the batch as it is); an empty sequence keeps its ``p0``. Returns
+    ``kappa [1, T, H, K]`` and ``p_T [N, H, K]``."""
+    import itertools
+
+    from kdn.ops import gain
+
+    if lens is None:
+        return gain.diagonal_gain(k, g, omega, r, mu, p0)
+    cu = [0, *itertools.accumulate(lens)]
+    parts = [gain.diagonal_gain(k[:, a:b], g[:, a:b], omega[:, a:b], r[:, a:b], mu, p0[i:i + 1]) if b > a
+             else (k[:, :0], p0[i:i + 1]) for i, (a, b) in enumerate(zip(cu, cu[1:]))]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 0)

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from kdn_inputs import make_inputs, make_state, rel_err
+from kdn_inputs import make_inputs, make_state, packed_diagonal_gain, rel_err
 
 pytestmark = pytest.mark.gpu
 NAMES = ("k", "g", "omega", "r", "mu", "p0")
@@ -32,7 +32,6 @@ def _leaves(B: int, T: int, H: int, K: int, N: int, softplus: bool, seed: int) -
 def _errors(B: int, T: int, H: int, K: int, seg: int, softplus: bool = False, dplr: bool = False,
             lens: tuple[int, ...] | None = None) -> dict[str, float]:
     """FP32 one-launch gain against float64 (packed sequences one at a time in the reference)."""
-    from kdn.ops import gain as ref
     from kdn.ops import triton as kt
 
     l64 = _leaves(B, T, H, K, B if lens is None else len(lens), softplus, seed=T + K + seg)
@@ -40,12 +39,7 @@ def _errors(B: int, T: int, H: int, K: int, seg: int, softplus: bool = False, dp
     k, g, omega, r, mu, p0 = (l64[n] for n in NAMES)
     omega = F.softplus(omega) if softplus else omega
     cu = None if lens is None else [0, *itertools.accumulate(lens)]
-    if cu is None:
-        kappa, pT = ref.diagonal_gain(k, g, omega, r, mu, p0)
-    else:
-        parts = [ref.diagonal_gain(k[:, a:b], g[:, a:b], omega[:, a:b], r[:, a:b], mu, p0[i:i + 1]) if b > a
-                 else (k[:, :0], p0[i:i + 1]) for i, (a, b) in enumerate(zip(cu, cu[1:]))]
-        kappa, pT = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 0)
+    kappa, pT = packed_diagonal_gain(k, g, omega, r, mu, p0, lens)
     ref_outs = (kappa, g.exp() * k, -kappa, pT) if dplr else (kappa, pT)
     fn = kt.diagonal_gain_dplr if dplr else kt.diagonal_gain
     outs = fn(*(l32[n] for n in NAMES), cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"),

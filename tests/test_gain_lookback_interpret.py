@@ -19,8 +19,8 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 GAINS = r"""
 import itertools, json, sys, torch
 sys.path.insert(0, "tests")
-from kdn.ops import gain as ref, triton as kt
-from kdn_inputs import make_inputs, make_state, rel_err
+from kdn.ops import triton as kt
+from kdn_inputs import make_inputs, make_state, packed_diagonal_gain, rel_err
 
 NAMES = ("k", "g", "omega", "r", "mu", "p0")
 
@@ -37,17 +37,10 @@ def leaves(B, T, H, K, N, softplus, seed):
 
 
 def reference(l64, softplus, dplr, lens):
-    # float64 outputs; packed sequences one at a time (an empty one keeps its p0)
+    # float64 outputs; packed sequences one at a time
     k, g, omega, r, mu, p0 = (l64[n] for n in NAMES)
-    if softplus:
-        omega = torch.nn.functional.softplus(omega)
-    if lens is None:
-        kappa, pT = ref.diagonal_gain(k, g, omega, r, mu, p0)
-    else:
-        cu = [0, *itertools.accumulate(lens)]
-        parts = [ref.diagonal_gain(k[:, a:b], g[:, a:b], omega[:, a:b], r[:, a:b], mu, p0[i:i + 1]) if b > a
-                 else (k[:, :0], p0[i:i + 1]) for i, (a, b) in enumerate(zip(cu, cu[1:]))]
-        kappa, pT = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 0)
+    kappa, pT = packed_diagonal_gain(k, g, torch.nn.functional.softplus(omega) if softplus else omega, r, mu, p0,
+                                     lens)
     return (kappa, g.exp() * k, -kappa, pT) if dplr else (kappa, pT)
 
 
