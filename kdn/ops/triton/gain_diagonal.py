@@ -425,7 +425,8 @@ class _DiagonalGain(torch.autograd.Function):
     Each direction is three launches: the segments' compositions on a ``(N*H, NS)`` grid, the walk over the
     segments (``N*H`` programs), then the segments again. ``N`` sequences (the batch rows, or the packed
     sequences of ``cu_seqlens``), ``NS`` from the longest ``L``. The forward keeps the segments' entering carries;
-    the backward holds every token's ``p`` in a transient FP32 ``[B,T,H,K]`` buffer.
+    the backward holds every token's ``p`` in a transient FP32 ``[B,T,H,K]`` buffer. With ``one_pass``, each
+    direction is one launch (:mod:`kdn.ops.triton.gain_lookback`) and no per-token buffer.
     """
 
     @staticmethod
