@@ -136,3 +136,21 @@ def test_fused_node_with_one_launch_gain(interpreted: dict[str, dict]) -> None:
         assert all(e < (tol.get(n, 1e-4) if gated else 1e-6) for n, e in r["unfused"].items()), (case, r["unfused"])
         dropped = {n: e for n, e in r["dropped"].items() if e > 1e-4}
         assert dropped.keys() == {"dk", "dg"} | gated and min(dropped.values()) > 1e-3, (case, r["dropped"])
+
+
+def test_one_launch_gain_refuses_bad_settings_in_one_line() -> None:
+    """Segments the tiles cannot hold, a flag that is not a bool, and the setting on the Isotropic layer, whose gain
+    has no one-launch route."""
+    import kdn
+    from kdn.ops.triton.gain_lookback import lookback_segments
+
+    assert lookback_segments(100, None) == (16, 7) and lookback_segments(100, 64) == (64, 2)
+    for seg in (24, 128, 0):
+        with pytest.raises(ValueError, match="segment_size 16, 32 or 64") as err:
+            lookback_segments(100, seg)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="one_pass_gain must be True or False"):
+        kdn.DiagonalKDN(64, 2, 32, one_pass_gain="yes")
+    with pytest.raises(ValueError, match="drop it for IsotropicKDN"):
+        kdn.IsotropicKDN(64, 2, 32, one_pass_gain=True)
+    assert kdn.DiagonalKDN(64, 2, 32, one_pass_gain=True).one_pass_gain is True
