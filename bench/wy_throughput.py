@@ -1,5 +1,7 @@
 """The inter-chunk + WY backward of the Diagonal KDN memory on CUDA: fla's ``chunk_precond_kda_bwd_wy_dqkg``
-against ours (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``), at the shape of a training step's layer.
+against ours (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``) with its key-block kernel in Triton and, on sm_90, in
+TileLang (``kdn.ops.tilelang.wy``), at the shape of a training step's layer; then the key-block kernel alone, Triton's
+against TileLang's at each ``--tiles`` setting (``BLOCK_V,THREADS,STAGES``).
 
 Inputs as the backward sees them: bf16 ``q, k, k_precond, v, v_new, do, dv``, the chunk states and their gradients
 ``h, dh``, the WY inverse ``A`` and ``beta`` (bf16, the dtype of k as fla's forward makes ``A``: fla's kernel
@@ -7,13 +9,15 @@ multiplies ``A`` with ``dv`` in one matmul, which needs both in one dtype), FP32
 log2 space). Prints a table (ms, the bytes a pass must move per second, the speedup) and ours' largest relative
 difference from fla per output, and writes ``--out`` (JSON).
 
-    python -m bench.wy_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --value-dim 128
+    python -m bench.wy_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --value-dim 128 \
+        --tiles 64,128,2 128,128,1 64,256,2
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,6 +53,51 @@ def _moved_bytes(x: dict[str, Tensor], outs: tuple[Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in (*x.values(), *outs))
 
 
+def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str]) -> list[dict]:
+    """The key-block kernel alone: Triton's (autotuned) against TileLang's at each tile setting, with the first
+    call's time (TileLang compiles there, or loads from its disk cache), and the largest relative difference of the
+    six outputs from Triton's."""
+    import time
+
+    from triton.testing import do_bench
+
+    from kdn.ops.tilelang.wy import WYTiles, wy_dqkg_tilelang
+    from kdn.ops.triton.wy import _dqkg_kernel
+
+    B, T, H, K = x["k"].shape
+    NT, BK = -(-T // BT), 64
+    NK = K // BK
+    args = [x[n] for n in ("q", "k", "k_precond", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
+    outs = [torch.empty_like(x["k"], dtype=torch.float) for _ in range(4)]
+    parts = [x["k"].new_empty(NK, B * NT, H, BT, BT, dtype=torch.float),
+             x["k"].new_empty(NK, B * NT, H, BT, dtype=torch.float)]
+
+    def triton_fn() -> None:
+        _dqkg_kernel[(NK * NT, B * H)](*args, *outs, *parts, None, None, scale, T, B * NT, H=H, K=K,
+                                       V=x["v"].shape[-1], BT=BT, BK=BK, IS_VARLEN=False)
+
+    triton_fn()
+    ref = [t.clone() for t in (*outs, *parts)]
+    rows = [{"kernel": "triton _dqkg_kernel", "config": str(_dqkg_kernel.best_config), "ms": do_bench(triton_fn)}]
+    for spec in tiles:
+        bv, threads, stages = (int(s) for s in spec.split(","))
+        t = WYTiles(block_v=bv, threads=threads, stages=stages)
+        t0 = time.perf_counter()
+        got = wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        ms = do_bench(lambda t=t: wy_dqkg_tilelang(*args, scale, None, None, tiles=t))
+        diff = max(((o.double() - r.double()).norm() / r.double().norm()).item() for o, r in zip(got, ref))
+        rows.append({"kernel": "tilelang", "config": spec, "ms": ms, "first_call_s": first,
+                     "max_rel_diff_vs_triton": diff})
+    print(f"{'key-block kernel':<22} {'config':<46} {'ms':>8} {'vs triton':>9}")
+    for r in rows:
+        print(f"{r['kernel']:<22} {r['config'][:46]:<46} {r['ms']:8.3f} {rows[0]['ms'] / r['ms']:8.2f}x"
+              + (f"  first call {r['first_call_s']:.1f} s, diff {r['max_rel_diff_vs_triton']:.1e}"
+                 if "first_call_s" in r else ""))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -56,6 +105,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--key-dim", type=int, default=128)
     ap.add_argument("--value-dim", type=int, default=128)
+    ap.add_argument("--tiles", nargs="*", default=["64,128,2"],
+                    help="TileLang tile settings to time, each BLOCK_V,THREADS,STAGES (sm_90 only)")
     ap.add_argument("--out", default="bench/results/wy_throughput.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -69,14 +120,19 @@ def main() -> None:
     x = _inputs(a.batch, a.seqlen, a.heads, a.key_dim, a.value_dim)
     scale = a.key_dim ** -0.5
     fns = {"fla chunk_precond_kda_bwd_wy_dqkg": chunk_precond_kda_bwd_wy_dqkg,
-           "kdn.ops.triton.wy chunk_asym_bwd_wy_dqkg": chunk_asym_bwd_wy_dqkg}
+           "kdn.ops.triton.wy chunk_asym_bwd_wy_dqkg": partial(chunk_asym_bwd_wy_dqkg, kernel="triton")}
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper:
+        fns["kdn.ops.triton.wy chunk_asym_bwd_wy_dqkg, TileLang key blocks"] = partial(chunk_asym_bwd_wy_dqkg,
+                                                                                      kernel="tilelang")
     rows, outs = [], {}
     for name, fn in fns.items():
         outs[name] = fn(**x, scale=scale, chunk_size=BT)  # (autotunes)
         ms = do_bench(lambda fn=fn: fn(**x, scale=scale, chunk_size=BT))
         rows.append({"kernel": name, "ms": ms, "GBps": _moved_bytes(x, outs[name]) / ms / 1e6})
-    ref, ours = outs.values()
-    diff = {n: ((o.double() - r.double()).norm() / r.double().norm()).item() for n, o, r in zip(NAMES, ours, ref)}
+    ref = outs["fla chunk_precond_kda_bwd_wy_dqkg"]
+    diff = {name: {n: ((o.double() - r.double()).norm() / r.double().norm()).item()
+                   for n, o, r in zip(NAMES, out, ref)} for name, out in outs.items() if out is not ref}
     for r in rows:
         r["speedup"] = rows[0]["ms"] / r["ms"]
     print(f"{'kernel':<40} {'ms':>8} {'GB/s':>7} {'speedup':>8}")
@@ -84,10 +140,12 @@ def main() -> None:
         print(f"{r['kernel']:<40} {r['ms']:8.3f} {r['GBps']:7.0f} {r['speedup']:8.2f}")
     configs = {"dqkg": str(_dqkg_kernel.best_config), "dA": str(_dA_kernel.best_config)}
     print("ours' configs:", configs)
-    print("relative difference, ours against fla:", {n: f"{v:.1e}" for n, v in diff.items()})
+    for name, d in diff.items():
+        print(f"relative difference against fla, {name}:", {n: f"{v:.1e}" for n, v in d.items()})
+    key_blocks = _key_block_rows(x, scale, a.tiles) if hopper else []
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": {"B": a.batch, "T": a.seqlen, "H": a.heads, "K": a.key_dim, "V": a.value_dim, "BT": BT},
-              "results": rows, "configs": configs, "relative_difference_vs_fla": diff}
+              "results": rows, "configs": configs, "relative_difference_vs_fla": diff, "key_block_kernel": key_blocks}
     write_atomic(Path(a.out), json.dumps(result, indent=1))
 
 

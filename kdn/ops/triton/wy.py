@@ -23,8 +23,15 @@ The K-independent part sits in the second kernel rather than in the ``i_k == 0``
 first kernel then does the same work, and the second loads ``A``'s block once for both of its uses. ``BK`` is
 64 (less for K < 64), not tuned: on an H200 at K = 128 the first kernel takes the same time at BK = 32 and 64, but 32
 doubles the shares that the second kernel reads (and the autotuner, timing the first alone, cannot see that).
+
+On Hopper (sm_90) the first kernel runs as TileLang's TMA + wgmma program of :mod:`kdn.ops.tilelang.wy` for 16-bit
+inputs with ``K`` and ``V`` multiples of 64; the Triton kernel is the portable path (other GPUs, FP32 operands,
+Triton's interpreter). ``kernel`` (or the environment variable ``KDN_WY_KERNEL``) forces either: ``"triton"`` or
+``"tilelang"``; ``"auto"`` (the default) chooses as above.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -185,14 +192,35 @@ def _dA_kernel(v, beta, A, dv, dv2, db, dA, dA_part, db_part, cu_seqlens, chunk_
     tl.store(db + bos * H + i_h + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
 
 
+KERNELS = ("auto", "triton", "tilelang")
+
+
+def use_tilelang(tensors: tuple[torch.Tensor, ...], beta: torch.Tensor, kernel: str | None) -> bool:
+    """Whether the key-block kernel runs as TileLang's (module docstring) on ``tensors`` (``k``, ``v`` and the other
+    16-bit inputs); ``kernel`` None reads ``KDN_WY_KERNEL``."""
+    kernel = kernel or os.environ.get("KDN_WY_KERNEL") or "auto"
+    if kernel not in KERNELS:
+        raise ValueError(f"WY backward kernel {kernel!r} is not one of {KERNELS}: set KDN_WY_KERNEL to one of them")
+    if kernel == "triton" or triton.knobs.runtime.interpret:
+        return False
+    from kdn.ops.tilelang.wy import supports
+
+    ok = supports(*tensors, beta=beta)
+    if kernel == "tilelang" and not ok:
+        raise ValueError("the TileLang WY backward needs an sm_90 GPU, TileLang, 16-bit k, v and states of one dtype "
+                         "and K, V multiples of 64: set KDN_WY_KERNEL=triton (or auto)")
+    return ok
+
+
 def chunk_asym_bwd_wy_dqkg(
     q: torch.Tensor, k: torch.Tensor, k_precond: torch.Tensor, v: torch.Tensor, v_new: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, h: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,
     dv: torch.Tensor, scale: float, cu_seqlens: torch.LongTensor | None = None, chunk_size: int = 64,
-    chunk_indices: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None, kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla's ``chunk_precond_kda_bwd_wy_dqkg`` (state layout ``[K, V]``): ``dq, dk, dkg, dv2, db, dg, dA``
-    (shapes and dtypes in the module's docstring)."""
+    (shapes and dtypes in the module's docstring); ``kernel``: ``"auto"``, ``"triton"`` or ``"tilelang"`` (None:
+    ``KDN_WY_KERNEL``, else ``"auto"``)."""
     B, T, H, K, V = *k.shape, v.shape[-1]
     BT = chunk_size
     if chunk_indices is None and cu_seqlens is not None:
@@ -201,21 +229,27 @@ def chunk_asym_bwd_wy_dqkg(
     NTG = B * NT  # every chunk (B = 1 when packed)
     varlen = cu_seqlens is not None
 
-    dq = torch.empty_like(q, dtype=torch.float)
-    dk = torch.empty_like(k, dtype=torch.float)
-    dkg = torch.empty_like(k_precond, dtype=torch.float)
     dv2 = torch.empty_like(v)
-    dg = torch.empty_like(g, dtype=torch.float)
     db = torch.empty_like(beta, dtype=torch.float)
     dA = torch.empty_like(A, dtype=torch.float)
-    BK = min(64, max(16, triton.next_power_of_2(K)))
-    NK = triton.cdiv(K, BK)
-    dA_part = q.new_empty(NK, NTG, H, BT, BT, dtype=torch.float)
-    db_part = q.new_empty(NK, NTG, H, BT, dtype=torch.float)
+    if BT == 64 and use_tilelang((k, v, q, k_precond, v_new, A, h, do, dh, dv), beta, kernel):
+        from kdn.ops.tilelang.wy import wy_dqkg_tilelang
 
-    _dqkg_kernel[(NK * NT, B * H)](
-        q, k, k_precond, v_new, g, beta, A, h, do, dh, dv, dq, dk, dkg, dg, dA_part, db_part, cu_seqlens,
-        chunk_indices, scale, T, NTG, H=H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=varlen)
+        dq, dk, dkg, dg, dA_part, db_part = wy_dqkg_tilelang(q, k, k_precond, v_new, g, beta, A, h, do, dh, dv,
+                                                             scale, cu_seqlens, chunk_indices)
+        NK = dA_part.shape[0]
+    else:
+        dq = torch.empty_like(q, dtype=torch.float)
+        dk = torch.empty_like(k, dtype=torch.float)
+        dkg = torch.empty_like(k_precond, dtype=torch.float)
+        dg = torch.empty_like(g, dtype=torch.float)
+        BK = min(64, max(16, triton.next_power_of_2(K)))
+        NK = triton.cdiv(K, BK)
+        dA_part = q.new_empty(NK, NTG, H, BT, BT, dtype=torch.float)
+        db_part = q.new_empty(NK, NTG, H, BT, dtype=torch.float)
+        _dqkg_kernel[(NK * NT, B * H)](
+            q, k, k_precond, v_new, g, beta, A, h, do, dh, dv, dq, dk, dkg, dg, dA_part, db_part, cu_seqlens,
+            chunk_indices, scale, T, NTG, H=H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=varlen)
     _dA_kernel[(NT, B * H)](v, beta, A, dv, dv2, db, dA, dA_part, db_part, cu_seqlens, chunk_indices, T, NTG,
                             H=H, V=V, BT=BT, NK=NK, IS_VARLEN=varlen)
     return dq, dk, dkg, dv2, db, dg, dA
