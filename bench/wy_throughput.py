@@ -1,7 +1,7 @@
 """The inter-chunk + WY backward of the Diagonal KDN memory on CUDA: fla's ``chunk_precond_kda_bwd_wy_dqkg``
 against ours (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``) with its key-block kernel in Triton and, on sm_90, in
 TileLang (``kdn.ops.tilelang.wy``), at the shape of a training step's layer; then the key-block kernel alone, Triton's
-against TileLang's at each ``--tiles`` setting (``BLOCK_V,THREADS,STAGES``).
+against TileLang's at each ``--tiles`` setting (``BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED``).
 
 Inputs as the backward sees them: bf16 ``q, k, k_precond, v, v_new, do, dv``, the chunk states and their gradients
 ``h, dh``, the WY inverse ``A`` and ``beta`` (bf16, the dtype of k as fla's forward makes ``A``: fla's kernel
@@ -10,7 +10,7 @@ log2 space). Prints a table (ms, the bytes a pass must move per second, the spee
 difference from fla per output, and writes ``--out`` (JSON).
 
     python -m bench.wy_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --value-dim 128 \
-        --tiles 64,128,2 128,128,1 64,256,2
+        --tiles 64,128,256,1,1 64,64,128,2,0
 """
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def _moved_bytes(x: dict[str, Tensor], outs: tuple[Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in (*x.values(), *outs))
 
 
-def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str]) -> list[dict]:
+def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed: bool = True) -> list[dict]:
     """The key-block kernel alone: Triton's (autotuned) against TileLang's at each tile setting, with the first
     call's time (TileLang compiles there, or loads from its disk cache), and the largest relative difference of the
-    six outputs from Triton's."""
+    six outputs from Triton's. ``timed=False``: each kernel runs twice (warm-up, then the launch to profile)."""
     import time
 
     from triton.testing import do_bench
@@ -77,21 +77,38 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str]) -> lis
                                        V=x["v"].shape[-1], BT=BT, BK=BK, IS_VARLEN=False)
 
     triton_fn()
-    ref = [t.clone() for t in (*outs, *parts)]
+    if not timed:
+        triton_fn()
+        for spec in tiles:
+            bk, bv, threads, stages, ws = (int(s) for s in spec.split(","))
+            t = WYTiles(block_k=bk, block_v=bv, threads=threads, stages=stages, warp_specialized=bool(ws))
+            for _ in range(2):
+                wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
+        torch.cuda.synchronize()
+        return []
+    ref = [t.clone() for t in outs] + [p.sum(0, keepdim=True) for p in parts]
     rows = [{"kernel": "triton _dqkg_kernel", "config": str(_dqkg_kernel.best_config), "ms": do_bench(triton_fn)}]
     for spec in tiles:
-        bv, threads, stages = (int(s) for s in spec.split(","))
-        t = WYTiles(block_v=bv, threads=threads, stages=stages)
+        bk, bv, threads, stages, ws = (int(s) for s in spec.split(","))
+        t = WYTiles(block_k=bk, block_v=bv, threads=threads, stages=stages, warp_specialized=bool(ws))
         t0 = time.perf_counter()
-        got = wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
+        try:
+            got = wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
+        except Exception as e:  # a setting TileLang cannot lower is a row of the table, not the end of the sweep
+            rows.append({"kernel": "tilelang", "config": spec, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+            continue
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         ms = do_bench(lambda t=t: wy_dqkg_tilelang(*args, scale, None, None, tiles=t))
+        got = (*got[:4], *(p.sum(0, keepdim=True) for p in got[4:]))  # the shares summed over key blocks
         diff = max(((o.double() - r.double()).norm() / r.double().norm()).item() for o, r in zip(got, ref))
         rows.append({"kernel": "tilelang", "config": spec, "ms": ms, "first_call_s": first,
                      "max_rel_diff_vs_triton": diff})
     print(f"{'key-block kernel':<22} {'config':<46} {'ms':>8} {'vs triton':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<22} {r['config'][:46]:<46} {r['error'][-120:]}")
+            continue
         print(f"{r['kernel']:<22} {r['config'][:46]:<46} {r['ms']:8.3f} {rows[0]['ms'] / r['ms']:8.2f}x"
               + (f"  first call {r['first_call_s']:.1f} s, diff {r['max_rel_diff_vs_triton']:.1e}"
                  if "first_call_s" in r else ""))
@@ -105,8 +122,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--key-dim", type=int, default=128)
     ap.add_argument("--value-dim", type=int, default=128)
-    ap.add_argument("--tiles", nargs="*", default=["64,128,2"],
-                    help="TileLang tile settings to time, each BLOCK_V,THREADS,STAGES (sm_90 only)")
+    ap.add_argument("--tiles", nargs="*", default=["64,128,256,1,1"],
+                    help="TileLang settings to time, each BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED (sm_90)")
+    ap.add_argument("--launch-once", action="store_true",
+                    help="launch Triton's key-block kernel and TileLang's at each --tiles setting once each, after a "
+                         "warm-up call, and time nothing: for Nsight Compute (ncu -k regex:dqkg_kernel)")
     ap.add_argument("--out", default="bench/results/wy_throughput.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -119,6 +139,9 @@ def main() -> None:
     torch.manual_seed(0)
     x = _inputs(a.batch, a.seqlen, a.heads, a.key_dim, a.value_dim)
     scale = a.key_dim ** -0.5
+    if a.launch_once:
+        _key_block_rows(x, scale, a.tiles, timed=False)
+        return
     fns = {"fla chunk_precond_kda_bwd_wy_dqkg": chunk_precond_kda_bwd_wy_dqkg,
            "kdn.ops.triton.wy chunk_asym_bwd_wy_dqkg": partial(chunk_asym_bwd_wy_dqkg, kernel="triton")}
     hopper = torch.cuda.get_device_capability() == (9, 0)

@@ -17,13 +17,12 @@ the compiled code on disk under ``TILELANG_CACHE_DIR``.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 BT = 64  # the memory's chunk (kdn.ops.validate.ASYM_CHUNK)
-BK = 64  # the key block of a program
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -33,21 +32,28 @@ class WYTiles:
     """Tile settings of the TileLang WY kernel.
 
     Args:
+        block_k: key columns per program (a divisor of ``K``; ``K // block_k`` shares of ``dA`` and ``db``).
         block_v: value columns per pipeline step (a divisor of ``V``).
         threads: threads of the compute warpgroup(s) (128 or 256).
-        stages: TMA pipeline depth over the value blocks.
+        stages: pipeline depth over the value blocks.
+        warp_specialized: a producer warpgroup issues TMA loads beside the compute warpgroups (TileLang's default on
+            sm_90); ``False``: every thread computes, and loads go through ``cp.async`` (TileLang 0.1.8 cannot
+            lower TMA without the producer).
     """
 
-    block_v: int = 64
-    threads: int = 128
-    stages: int = 2
+    block_k: int = 64
+    block_v: int = 128
+    threads: int = 256
+    stages: int = 1
+    warp_specialized: bool = True
 
 
 def _program(H: int, K: int, V: int, in_dtype: str, beta_dtype: str, varlen: bool, tiles: WYTiles) -> Any:
     """The TileLang ``prim_func`` for one configuration (arguments as in :func:`wy_dqkg_tilelang`)."""
     import tilelang.language as T
 
-    BV, NK, NV = tiles.block_v, K // BK, V // tiles.block_v
+    BK, BV = tiles.block_k, tiles.block_v
+    NK, NV = K // BK, V // BV
     acc = "float32"
     NTOK, NTG, NSEQ = T.dynamic("NTOK, NTG, NSEQ")
 
@@ -178,19 +184,29 @@ def _kernel(H: int, K: int, V: int, in_dtype: str, beta_dtype: str, varlen: bool
     """The compiled kernel of one configuration (once per process; TileLang's disk cache across processes)."""
     import tilelang
 
-    return tilelang.compile(_program(H, K, V, in_dtype, beta_dtype, varlen, tiles), target="cuda")
+    ws = tiles.warp_specialized
+    configs = {"tl.disable_warp_specialized": not ws, "tl.disable_tma_lower": not ws}
+    return tilelang.compile(_program(H, K, V, in_dtype, beta_dtype, varlen, tiles), target="cuda",
+                            pass_configs=configs)
+
+
+def fit(tiles: WYTiles, K: int, V: int) -> WYTiles:
+    """``tiles`` with its blocks cut to ``K`` and ``V`` where those are smaller."""
+    return replace(tiles, block_k=min(tiles.block_k, K), block_v=min(tiles.block_v, V))
 
 
 def supports(*tensors: torch.Tensor, beta: torch.Tensor, tiles: WYTiles = WYTiles()) -> bool:
     """Whether :func:`wy_dqkg_tilelang` takes these inputs: ``tensors`` (``k`` first, then ``v`` or any other
-    ``[..., V]`` input and the states) on a Hopper GPU (sm_90), all of one 16-bit dtype, ``K`` a multiple of 64 and
-    ``V`` of ``tiles.block_v``; ``beta`` 16-bit or FP32; TileLang importable."""
+    ``[..., V]`` input and the states) on a Hopper GPU (sm_90), all of one 16-bit dtype, ``K`` and ``V`` multiples of
+    64 and of the blocks of :func:`fit`; ``beta`` 16-bit or FP32; TileLang importable."""
     k, v = tensors[0], tensors[1]
+    K, V = k.shape[-1], v.shape[-1]
     if not (k.is_cuda and torch.cuda.get_device_capability(k.device) == (9, 0)):
         return False
     if k.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != k.dtype for t in tensors):
         return False
-    if beta.dtype not in _DTYPES or k.shape[-1] % BK or v.shape[-1] % tiles.block_v:
+    tiles = fit(tiles, K, V)
+    if beta.dtype not in _DTYPES or K % 64 or V % 64 or K % tiles.block_k or V % tiles.block_v:
         return False
     try:
         import tilelang  # noqa: F401
@@ -219,6 +235,7 @@ def wy_dqkg_tilelang(
     """
     B, T, H, K = k.shape
     V = v_new.shape[-1]
+    tiles = fit(tiles, K, V)
     varlen = cu_seqlens is not None
     NT = -(-T // BT)
     NTG = len(chunk_indices) if varlen else B * NT
@@ -230,8 +247,9 @@ def wy_dqkg_tilelang(
         seqs = (torch.zeros(2, dtype=torch.int32, device=k.device), torch.zeros(NTG, 2, dtype=torch.int32,
                                                                                  device=k.device))
     dq, dk, dkg, dg = (torch.empty(B, T, H, K, device=k.device, dtype=torch.float) for _ in range(4))
-    dA_part = k.new_empty(K // BK, NTG, H, BT, BT, dtype=torch.float)
-    db_part = k.new_empty(K // BK, NTG, H, BT, dtype=torch.float)
+    NK = K // tiles.block_k
+    dA_part = k.new_empty(NK, NTG, H, BT, BT, dtype=torch.float)
+    db_part = k.new_empty(NK, NTG, H, BT, dtype=torch.float)
     kernel = _kernel(H, K, V, _DTYPES[k.dtype], _DTYPES[beta.dtype], varlen, tiles)
     q_, k_, kp_, vn_, g_, beta_, A_, do_, dv_ = flat
     kernel(q_, k_, kp_, vn_, g_, beta_, A_, states[0], do_, states[1], dv_, *seqs, float(scale), T, NT,
