@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from bench.mixer_throughput import write_atomic
+from kdn.ops.tilelang import WYTiles
 
 NAMES = ("dq", "dk", "dkg", "dv2", "db", "dg", "dA")
 BT = 64
@@ -53,6 +54,15 @@ def _moved_bytes(x: dict[str, Tensor], outs: tuple[Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in (*x.values(), *outs))
 
 
+def _tiles(spec: str) -> WYTiles:
+    """``BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED`` as :class:`kdn.ops.tilelang.WYTiles`."""
+    try:
+        bk, bv, threads, stages, ws = (int(v) for v in spec.split(","))
+    except ValueError:
+        sys.exit(f"--tiles {spec!r}: give five integers BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED")
+    return WYTiles(block_k=bk, block_v=bv, threads=threads, stages=stages, warp_specialized=bool(ws))
+
+
 def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed: bool = True) -> list[dict]:
     """The key-block kernel alone: Triton's (autotuned) against TileLang's at each tile setting, with the first
     call's time (TileLang compiles there, or loads from its disk cache), and the largest relative difference of the
@@ -61,7 +71,7 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
 
     from triton.testing import do_bench
 
-    from kdn.ops.tilelang.wy import WYTiles, wy_dqkg_tilelang
+    from kdn.ops.tilelang.wy import wy_dqkg_tilelang
     from kdn.ops.triton.wy import _dqkg_kernel
 
     B, T, H, K = x["k"].shape
@@ -80,8 +90,7 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
     if not timed:
         triton_fn()
         for spec in tiles:
-            bk, bv, threads, stages, ws = (int(s) for s in spec.split(","))
-            t = WYTiles(block_k=bk, block_v=bv, threads=threads, stages=stages, warp_specialized=bool(ws))
+            t = _tiles(spec)
             for _ in range(2):
                 wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
         torch.cuda.synchronize()
@@ -89,8 +98,7 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
     ref = [t.clone() for t in outs] + [p.sum(0, keepdim=True) for p in parts]
     rows = [{"kernel": "triton _dqkg_kernel", "config": str(_dqkg_kernel.best_config), "ms": do_bench(triton_fn)}]
     for spec in tiles:
-        bk, bv, threads, stages, ws = (int(s) for s in spec.split(","))
-        t = WYTiles(block_k=bk, block_v=bv, threads=threads, stages=stages, warp_specialized=bool(ws))
+        t = _tiles(spec)
         t0 = time.perf_counter()
         try:
             got = wy_dqkg_tilelang(*args, scale, None, None, tiles=t)
