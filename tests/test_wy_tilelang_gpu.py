@@ -1,8 +1,9 @@
 """The WY backward (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``) with its key-block kernel in TileLang (sm_90) and in
 Triton, both against a float64 reference of the same formulas on the same 16-bit inputs: every output (``dq, dk, dkg,
-dv2, db, dg, dA``) within the tolerances of ``TOL`` (set from the errors measured on an H100 for both kernels, with
-headroom) and no worse than 1.5x the Triton kernel's error plus 1e-6. Shapes: T a multiple of the chunk and not,
-K and V of 64 and 128, packed sequences with chunks cut short (one of a single token), ``beta`` in bf16 and FP32.
+dv2, db, dg, dA``) within the tolerances of ``TOL`` (set from the errors measured on an H200 for both kernels, with
+headroom) and no worse than 1.5x the Triton kernel's error plus 1e-6, at the kernel's default settings. Shapes: T a
+multiple of the chunk and not, K and V of 64 and 128, packed sequences with chunks cut short (one of a single token),
+``beta`` in bf16 and FP32.
 Each case also writes its errors to ``$KDN_ACCURACY_JSON`` (JSON lines) when set."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 BT = 64
 NAMES = ("dq", "dk", "dkg", "dv2", "db", "dg", "dA")
-# measured on an H100 (bf16 inputs, both kernels): at most 4e-3 (dA, dk), others below 3e-3
+# measured on an H200 (bf16 inputs, both kernels): at most 3.3e-3 (dA), the others 1.7e-3
 TOL = {"dq": 1e-2, "dk": 1e-2, "dkg": 1e-2, "dv2": 1e-2, "db": 1e-2, "dg": 1e-2, "dA": 1e-2}
 
 
