@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-BT = 64  # the memory's chunk (kdn.ops.validate.ASYM_CHUNK)
+from kdn.ops.validate import ASYM_CHUNK as BT  # the memory's chunk, 64
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -244,9 +244,8 @@ def wy_dqkg_tilelang(
     states = [x.contiguous().reshape(NTG, H, K, V) for x in (h, dh)]
     if varlen:
         seqs = (cu_seqlens.to(torch.int32), chunk_indices.to(torch.int32).contiguous())
-    else:  # unread placeholders of the packed path's arguments
-        seqs = (torch.zeros(2, dtype=torch.int32, device=k.device), torch.zeros(NTG, 2, dtype=torch.int32,
-                                                                                 device=k.device))
+    else:  # unread placeholders of the packed path's arguments (empty: nothing to fill)
+        seqs = (k.new_empty(2, dtype=torch.int32), k.new_empty(NTG, 2, dtype=torch.int32))
     dq, dk, dkg, dg = (torch.empty(B, T, H, K, device=k.device, dtype=torch.float) for _ in range(4))
     NK = K // tiles.block_k
     dA_part = k.new_empty(NK, NTG, H, BT, BT, dtype=torch.float)
