@@ -65,7 +65,7 @@ def _tiles(spec: str) -> WYTiles:
 
 def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed: bool = True) -> list[dict]:
     """The key-block kernel alone: Triton's (autotuned) against TileLang's at each tile setting, with the first
-    call's time (TileLang compiles there, or loads from its disk cache), and the largest relative difference of the
+    run's time (TileLang compiles there, or loads from its disk cache), and the largest relative difference of the
     six outputs from Triton's. ``timed=False``: each kernel runs twice (warm-up, then the launch to profile)."""
     import time
 
@@ -110,7 +110,7 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
         ms = do_bench(lambda t=t: wy_dqkg_tilelang(*args, scale, None, None, tiles=t))
         got = (*got[:4], *(p.sum(0, keepdim=True) for p in got[4:]))  # the shares summed over key blocks
         diff = max(((o.double() - r.double()).norm() / r.double().norm()).item() for o, r in zip(got, ref))
-        rows.append({"kernel": "tilelang", "config": spec, "ms": ms, "first_call_s": first,
+        rows.append({"kernel": "tilelang", "config": spec, "ms": ms, "first_run_s": first,
                      "max_rel_diff_vs_triton": diff})
     print(f"{'key-block kernel':<22} {'config':<46} {'ms':>8} {'vs triton':>9}")
     for r in rows:
@@ -118,8 +118,8 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
             print(f"{r['kernel']:<22} {r['config'][:46]:<46} {r['error'][-120:]}")
             continue
         print(f"{r['kernel']:<22} {r['config'][:46]:<46} {r['ms']:8.3f} {rows[0]['ms'] / r['ms']:8.2f}x"
-              + (f"  first call {r['first_call_s']:.1f} s, diff {r['max_rel_diff_vs_triton']:.1e}"
-                 if "first_call_s" in r else ""))
+              + (f"  first run {r['first_run_s']:.1f} s, diff {r['max_rel_diff_vs_triton']:.1e}"
+                 if "first_run_s" in r else ""))
     return rows
 
 
