@@ -17,6 +17,7 @@ operands (``precision="fp32"``, docs/kernels.md).
 """
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ import torch
 import triton
 from torch import Tensor
 
+from kdn.ops.triton.intra import chunk_asym_bwd_intra
 from kdn.ops.triton.precision import precise_kernel, precise_launcher
 from kdn.ops.triton.safe_gate import SafeGate
 from kdn.ops.validate import ASYM_CHUNK
@@ -81,17 +83,24 @@ def _asym_intra_bwd(
     dk: Tensor, dkg: Tensor, db: Tensor, dg: Tensor, safe: bool, seqs: dict[str, Tensor | None], precise: bool,
     dg_chunk_sums: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fla's ``chunk_precond_kda_bwd_intra``: the asymmetric intra-chunk backward, whose kernel adds the intra-chunk
-    terms to ``dq, dk, dkg`` (those of ``q, k, kappa``), ``db`` and the per-token ``dg``, then fla's reverse
-    cumulative sum of ``dg`` within each chunk (``gc`` is a chunk-local cumulative sum of ``g``), which makes it the
-    gradient of the raw ``g``. Returns ``(dq, dk, dkappa, db, dg)``: the first three in the inputs' dtypes, ``db``
-    and ``dg`` FP32 (``[B,T,H,K]``). ``dg_chunk_sums=False`` skips the sum, for a later pass that walks the tokens
-    anyway to take it on (both KDN gains' last backward launch): one FP32 ``[B,T,H,K]`` pass fewer each way."""
+    """The asymmetric intra-chunk backward, which adds the intra-chunk terms to ``dq, dk, dkg`` (those of
+    ``q, k, kappa``), ``db`` and the per-token ``dg``, then takes ``dg``'s reverse cumulative sum within each chunk
+    (``gc`` is a chunk-local cumulative sum of ``g``), which makes it the gradient of the raw ``g``. Returns
+    ``(dq, dk, dkappa, db, dg)``: the first three in the inputs' dtypes, ``db`` and ``dg`` FP32 (``[B,T,H,K]``).
+    ``dg_chunk_sums=False`` skips the sum, for a later pass that walks the tokens anyway to take it on (both KDN
+    gains' last backward launch).
+
+    Inside fla's safe envelope, ours (:mod:`kdn.ops.triton.intra`: one program a chunk, the sum fused); outside it,
+    fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for any gate; ``KDN_INTRA_KERNEL``
+    (:func:`use_own_intra`) can force fla's."""
     from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     from fla.utils import IS_GATHER_SUPPORTED
 
+    if use_own_intra(safe):
+        return _precise(chunk_asym_bwd_intra, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
+                                                       dg_chunk_sums=dg_chunk_sums, **seqs)
     C = ASYM_CHUNK
     B, T, H, K = k.shape
     BC, BK = 16, min(32, triton.next_power_of_2(K))  # fla's tiles (docs/performance.md, "Memory and WY")
@@ -108,6 +117,23 @@ def _asym_intra_bwd(
     if dg_chunk_sums:
         dg2 = chunk_local_cumsum(dg2, chunk_size=C, reverse=True, **seqs)
     return dq2, dk2, dkappa2, db, dg2
+
+
+INTRA_KERNELS = ("auto", "kdn", "fla")
+
+
+def use_own_intra(safe: bool, kernel: str | None = None) -> bool:
+    """Whether the intra-chunk backward runs as ours (:mod:`kdn.ops.triton.intra`) for gates that are (``safe``) or
+    are not inside fla's safe envelope. ``kernel``: ``"auto"`` (ours exactly when ``safe``), ``"kdn"`` (the same,
+    and an error when not ``safe``), ``"fla"`` (fla's always); None reads ``KDN_INTRA_KERNEL``, else ``"auto"``."""
+    kernel = kernel or os.environ.get("KDN_INTRA_KERNEL") or "auto"
+    if kernel not in INTRA_KERNELS:
+        raise ValueError(f"intra-chunk backward kernel {kernel!r} is not one of {INTRA_KERNELS}: "
+                         "set KDN_INTRA_KERNEL to one of them")
+    if kernel == "kdn" and not safe:
+        raise ValueError("the KDN intra-chunk backward needs gates inside fla's safe envelope, and these are not: "
+                         "set KDN_INTRA_KERNEL=auto (or fla)")
+    return kernel != "fla" and safe
 
 
 def _asym_memory_fwd(
