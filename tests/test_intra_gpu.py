@@ -24,9 +24,10 @@ TOL = {"dq": 1e-2, "dk": 1e-2, "dkp": 1e-2, "db": 1e-2, "dg": 1e-2}
 
 
 def make_inputs(B: int, T: int, H: int, K: int, cu: list[int] | None, decay: float, dtype: torch.dtype,
-                seed: int) -> dict[str, torch.Tensor]:
+                seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Random inputs (never zeros) on CUDA: ``q, k, k_precond`` in ``dtype``, the rest FP32; ``g`` the chunk-local
-    cumulative sum of ``-decay * softplus(N(0, 1))`` nats per token, in log2 units."""
+    cumulative sum of ``-decay * softplus(N(0, 1))`` nats per token, in log2 units. Returns the inputs and those
+    per-token gates (nats)."""
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
@@ -38,12 +39,12 @@ def make_inputs(B: int, T: int, H: int, K: int, cu: list[int] | None, decay: flo
     cu_t = None if cu is None else torch.tensor(cu, device="cuda")
     x = {n: rnd(B, T, H, K).to(dtype) for n in ("q", "k", "k_precond")}
     x |= {n: rnd(B, T, H, K) for n in ("dq", "dk", "dk_precond", "dg")}
-    x["g"] = chunk_local_cumsum(-torch.nn.functional.softplus(rnd(B, T, H, K)) * decay, chunk_size=BT,
-                                scale=RCP_LN2, cu_seqlens=cu_t)
+    gate = -torch.nn.functional.softplus(rnd(B, T, H, K)) * decay
+    x["g"] = chunk_local_cumsum(gate, chunk_size=BT, scale=RCP_LN2, cu_seqlens=cu_t)
     x["beta"] = torch.rand(B, T, H, generator=gen).cuda() + 0.1
     x["db"] = rnd(B, T, H)
     x["dAqk"], x["dAkk"] = rnd(B, T, H, BT) * 0.3, rnd(B, T, H, BT) * 0.3
-    return x
+    return x, gate
 
 
 def reference(x: dict[str, torch.Tensor], cu: list[int] | None, dg_chunk_sums: bool) -> dict[str, torch.Tensor]:
@@ -120,10 +121,10 @@ def test_intra_matches_float64(case: tuple) -> None:
     from kdn.ops.triton.safe_gate import safe_gate
 
     B, T, H, K, cu, decay, block_k, sums = case
-    x = make_inputs(B, T, H, K, cu, decay, torch.bfloat16, seed=T + K)
+    x, gate = make_inputs(B, T, H, K, cu, decay, torch.bfloat16, seed=T + K)
     cu_t = None if cu is None else torch.tensor(cu, device="cuda")
     ci = None if cu is None else prepare_chunk_indices(cu_t, BT)
-    assert bool(safe_gate(x["g"])), "the case's gates must be inside the safe envelope"
+    assert bool(safe_gate(gate)), "the case's gates must be inside the safe envelope"
     ref = reference(x, cu, sums)
     ours = chunk_asym_bwd_intra(**x, cu_seqlens=cu_t, chunk_indices=ci, dg_chunk_sums=sums, block_k=block_k)
     theirs = fla_intra(x, cu_t, ci, sums)
@@ -146,7 +147,7 @@ def test_intra_precise_matches_float64() -> None:
     from kdn.ops.triton.precision import precise_launcher
 
     cu = [0, 100, 333, 512]
-    x = make_inputs(1, 512, 2, 128, cu, 1.0, torch.float32, seed=7)
+    x, _ = make_inputs(1, 512, 2, 128, cu, 1.0, torch.float32, seed=7)
     cu_t = torch.tensor(cu, device="cuda")
     ours = precise_launcher(chunk_asym_bwd_intra)(**x, cu_seqlens=cu_t, chunk_indices=prepare_chunk_indices(cu_t, BT))
     ref = reference(x, cu, True)

@@ -111,12 +111,13 @@ def _intra_bwd_kernel(q, k, k_precond, g, beta, dAqk, dAkk, dq, dk, dkp, dg, dq2
         b_yq = tl.where(m_sk, tl.load(q + p_sk, mask=m_sk, other=0.).to(tl.float32) * b_e, 0.)
         b_yk = tl.where(m_sk, tl.load(k + p_sk, mask=m_sk, other=0.).to(tl.float32) * b_e
                         * tl.load(beta + o_s * H, mask=m_s, other=0.).to(tl.float32)[:, None], 0.)
-        m_a = m_t[:, None] & m_s[None, :] & (o_c[:, None] <= o_s[None, :])
-        p_a = o_s[None, :] * (H * BT) + o_c[:, None]
+        # block i's rows of dA, read along the rows (coalesced) and transposed in registers: [BT(s), BC(t)]
+        m_a = m_s[:, None] & m_t[None, :] & (o_c[None, :] <= o_s[:, None])
+        p_a = o_s[:, None] * (H * BT) + o_c[None, :]
         m_open = (o_c < i * BC + BC)[:, None]
         b_dkp = tl.where(m_open, b_dkp * exp2(b_next - b_ref)[None, :], b_dkp)
-        b_dkp = tl.dot(tl.load(dAqk + p_a, mask=m_a, other=0.).to(tl.float32), b_yq, b_dkp)
-        b_dkp = tl.dot(tl.load(dAkk + p_a, mask=m_a, other=0.).to(tl.float32), b_yk, b_dkp)
+        b_dkp = tl.dot(tl.trans(tl.load(dAqk + p_a, mask=m_a, other=0.).to(tl.float32)), b_yq, b_dkp)
+        b_dkp = tl.dot(tl.trans(tl.load(dAkk + p_a, mask=m_a, other=0.).to(tl.float32)), b_yk, b_dkp)
         b_next = b_ref
 
     # each row ends in its own block's frame: back to true scale
@@ -146,7 +147,7 @@ def chunk_asym_bwd_intra(
     dAqk: torch.Tensor, dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dk_precond: torch.Tensor,
     db: torch.Tensor, dg: torch.Tensor, cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.LongTensor | None = None, chunk_size: int = 64, dg_chunk_sums: bool = True,
-    block_k: int = 32,
+    block_k: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intra-chunk backward for gates inside fla's safe envelope: what fla's ``chunk_precond_kda_bwd_intra``
     returns, with ``dg``'s reverse cumulative sum within each chunk fused (``dg_chunk_sums``).
