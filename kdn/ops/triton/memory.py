@@ -2,8 +2,9 @@
 
 ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
 side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
-and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`), with the
-final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). Both KDNs
+and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
+fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra`), with the final chunk sums of ``dg`` left
+to the caller on request (:func:`_asym_intra_bwd`). Both KDNs
 run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
 so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
 
@@ -210,7 +211,8 @@ class _AsymmetricMemory(torch.autograd.Function):
     ``o_t = scale q_t^T S_t``, through fla's KDA-style chunk-64 kernels with a separate write key (those of
     ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``), except the
     inter-chunk + WY backward, ours (:func:`kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg`: the same values, split over key
-    blocks, 2x faster on an H200).
+    blocks, 2x faster on an H200), and the intra-chunk backward inside fla's safe envelope, ours
+    (:func:`kdn.ops.triton.intra.chunk_asym_bwd_intra`).
 
     ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
     ``beta [B,T,H]`` (``kappa``'s dtype; ``None``: ones, the write key is ``kappa`` alone), ``S0 [N,H,K,V]`` FP32 or
