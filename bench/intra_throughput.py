@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from bench.mixer_throughput import write_atomic
+from bench.wy_throughput import add_shape_args, relative_differences
 
 NAMES = ("dq", "dk", "dkp", "db", "dg")
 BT = 64
@@ -52,10 +53,7 @@ def _fla(x: dict[str, Tensor]) -> tuple[Tensor, ...]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--key-dim", type=int, default=128)
+    add_shape_args(ap)
     ap.add_argument("--block-k", type=int, nargs="*", default=[32, 64])
     ap.add_argument("--launch-once", action="store_true",
                     help="launch fla's kernel and ours at each --block-k once each after a warm-up call, and time "
@@ -93,8 +91,7 @@ def main() -> None:
     for r in rows:
         r["speedup"] = rows[0]["ms"] / r["ms"]
     ref = next(iter(outs.values()))
-    diff = {name: {n: ((o.double() - r.double()).norm() / r.double().norm()).item()
-                   for n, o, r in zip(NAMES, out, ref)} for name, out in outs.items() if out is not ref}
+    diff = relative_differences(outs, ref, NAMES)
     print(f"{'kernel':<58} {'ms':>8} {'GB/s':>7} {'speedup':>8}")
     for r in rows:
         print(f"{r['kernel']:<58} {r['ms']:8.3f} {r['GBps']:7.0f} {r['speedup']:8.2f}")

@@ -123,12 +123,25 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The layer shape of a training step's recurrence: ``--batch --seqlen --heads --key-dim``."""
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--key-dim", type=int, default=128)
+
+
+def relative_differences(outs: dict[str, tuple[Tensor, ...]], ref: tuple[Tensor, ...],
+                         names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """``||out - ref|| / ||ref||`` (float64) of each output named in ``names``, for every entry of ``outs`` but
+    ``ref`` itself."""
+    return {name: {n: ((o.double() - r.double()).norm() / r.double().norm()).item() for n, o, r in zip(names, out, ref)}
+            for name, out in outs.items() if out is not ref}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     ap.add_argument("--value-dim", type=int, default=128)
     ap.add_argument("--tiles", nargs="*", default=["64,128,256,1,1"],
                     help="TileLang settings to time, each BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED (sm_90)")
@@ -162,8 +175,7 @@ def main() -> None:
         ms = do_bench(lambda fn=fn: fn(**x, scale=scale, chunk_size=BT))
         rows.append({"kernel": name, "ms": ms, "GBps": _moved_bytes(x, outs[name]) / ms / 1e6})
     ref = outs["fla chunk_precond_kda_bwd_wy_dqkg"]
-    diff = {name: {n: ((o.double() - r.double()).norm() / r.double().norm()).item()
-                   for n, o, r in zip(NAMES, out, ref)} for name, out in outs.items() if out is not ref}
+    diff = relative_differences(outs, ref, NAMES)
     for r in rows:
         r["speedup"] = rows[0]["ms"] / r["ms"]
     print(f"{'kernel':<40} {'ms':>8} {'GB/s':>7} {'speedup':>8}")
