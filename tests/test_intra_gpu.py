@@ -83,17 +83,15 @@ def reference(x: dict[str, torch.Tensor], cu: list[int] | None, dg_chunk_sums: b
 
 
 def fla_intra(x: dict[str, torch.Tensor], cu_t: torch.Tensor | None, ci: torch.Tensor | None,
-              dg_chunk_sums: bool) -> tuple[torch.Tensor, ...]:
+              dg_chunk_sums: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
     """fla's kernel through the memory's fla path (safe gate)."""
     from kdn.ops.triton.memory import _asym_intra_bwd
 
-    os.environ["KDN_INTRA_KERNEL"] = "fla"
-    try:
+    with monkeypatch.context() as m:
+        m.setenv("KDN_INTRA_KERNEL", "fla")
         return _asym_intra_bwd(x["q"], x["k"], x["k_precond"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"],
                                x["dk"], x["dk_precond"], x["db"], x["dg"], True,
                                {"cu_seqlens": cu_t, "chunk_indices": ci}, False, dg_chunk_sums)
-    finally:
-        del os.environ["KDN_INTRA_KERNEL"]
 
 
 CASES = [  # B, T, H, K, cu_seqlens, decay (nats per token, times softplus), block_k, dg_chunk_sums
@@ -116,7 +114,7 @@ def _record(case: str, errs: dict[str, float], fla_errs: dict[str, float]) -> No
 @requires_cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}{'-packed' if c[4] else ''}"
                          f"-decay{c[5]}-bk{c[6]}{'' if c[7] else '-pertoken'}")
-def test_intra_matches_float64(case: tuple) -> None:
+def test_intra_matches_float64(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     from fla.ops.utils import prepare_chunk_indices
     from kdn_inputs import rel_err
 
@@ -130,7 +128,7 @@ def test_intra_matches_float64(case: tuple) -> None:
     assert bool(safe_gate(gate)), "the case's gates must be inside the safe envelope"
     ref = reference(x, cu, sums)
     ours = chunk_asym_bwd_intra(**x, cu_seqlens=cu_t, chunk_indices=ci, dg_chunk_sums=sums, block_k=block_k)
-    theirs = fla_intra(x, cu_t, ci, sums)
+    theirs = fla_intra(x, cu_t, ci, sums, monkeypatch)
     for name, o, r in zip(NAMES, ours, theirs):
         assert o.shape == r.shape and o.dtype == r.dtype, name
     errs = {n: rel_err(o, ref[n]) for n, o in zip(NAMES, ours)}

@@ -142,6 +142,7 @@ def _intra_bwd_kernel(q, k, k_precond, g, beta, dAqk, dAkk, dq, dk, dkp, dg, dq2
         b_dg = tl.cumsum(b_dg, 0, reverse=True)
     tl.store(dg2 + p_tk, b_dg, mask=m_tk)
 
+
 def chunk_asym_bwd_intra(
     q: torch.Tensor, k: torch.Tensor, k_precond: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     dAqk: torch.Tensor, dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dk_precond: torch.Tensor,

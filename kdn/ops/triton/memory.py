@@ -18,7 +18,6 @@ operands (``precision="fp32"``, docs/kernels.md).
 """
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Callable
 
@@ -29,6 +28,7 @@ from torch import Tensor
 from kdn.ops.triton.intra import chunk_asym_bwd_intra
 from kdn.ops.triton.precision import precise_kernel, precise_launcher
 from kdn.ops.triton.safe_gate import SafeGate
+from kdn.ops.triton.utils import kernel_choice
 from kdn.ops.validate import ASYM_CHUNK
 
 
@@ -94,14 +94,14 @@ def _asym_intra_bwd(
     Inside fla's safe envelope, ours (:mod:`kdn.ops.triton.intra`: one program a chunk, the sum fused); outside it,
     fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for any gate; ``KDN_INTRA_KERNEL``
     (:func:`use_own_intra`) can force fla's."""
+    if use_own_intra(safe):
+        return _precise(chunk_asym_bwd_intra, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
+                                                       dg_chunk_sums=dg_chunk_sums, **seqs)
     from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     from fla.utils import IS_GATHER_SUPPORTED
 
-    if use_own_intra(safe):
-        return _precise(chunk_asym_bwd_intra, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
-                                                       dg_chunk_sums=dg_chunk_sums, **seqs)
     C = ASYM_CHUNK
     B, T, H, K = k.shape
     BC, BK = 16, min(32, triton.next_power_of_2(K))  # fla's tiles (docs/performance.md, "Memory and WY")
@@ -127,10 +127,7 @@ def use_own_intra(safe: bool, kernel: str | None = None) -> bool:
     """Whether the intra-chunk backward runs as ours (:mod:`kdn.ops.triton.intra`) for gates that are (``safe``) or
     are not inside fla's safe envelope. ``kernel``: ``"auto"`` (ours exactly when ``safe``), ``"kdn"`` (the same,
     and an error when not ``safe``), ``"fla"`` (fla's always); None reads ``KDN_INTRA_KERNEL``, else ``"auto"``."""
-    kernel = kernel or os.environ.get("KDN_INTRA_KERNEL") or "auto"
-    if kernel not in INTRA_KERNELS:
-        raise ValueError(f"intra-chunk backward kernel {kernel!r} is not one of {INTRA_KERNELS}: "
-                         "set KDN_INTRA_KERNEL to one of them")
+    kernel = kernel_choice(kernel, "KDN_INTRA_KERNEL", INTRA_KERNELS, "intra-chunk backward kernel")
     if kernel == "kdn" and not safe:
         raise ValueError("the KDN intra-chunk backward needs gates inside fla's safe envelope, and these are not: "
                          "set KDN_INTRA_KERNEL=auto (or fla)")

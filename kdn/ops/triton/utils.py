@@ -1,4 +1,5 @@
-"""What the CUDA kernels share: ``@triton.jit`` helpers, segment sizing and the gain inputs' shape checks.
+"""What the CUDA kernels share: ``@triton.jit`` helpers, segment sizing, the gain inputs' shape checks and the choice
+of a kernel by argument or environment variable (:func:`kernel_choice`).
 
 The helpers: the renormalised 2x2 Möbius composition (docs/math.md §3, §4), the adjoint and affine compositions of the
 gain backward (docs/math.md §6), a segment's chunks, a sequence's first row and length (packed sequences read
@@ -10,12 +11,23 @@ several segments on short sequences).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kdn.ops.validate import check_cu_seqlens
+
+
+def kernel_choice(kernel: str | None, env: str, choices: tuple[str, ...], what: str) -> str:
+    """``kernel``, else the environment variable ``env``, else ``"auto"``; a value outside ``choices`` is refused in
+    one line that names ``env`` (``what`` names the kernel in the message)."""
+    kernel = kernel or os.environ.get(env) or "auto"
+    if kernel not in choices:
+        raise ValueError(f"{what} {kernel!r} is not one of {choices}: set {env} to one of them")
+    return kernel
 
 
 @triton.jit

@@ -31,14 +31,14 @@ chooses: ``"triton"``, ``"tilelang"``, or ``"auto"`` (the default): TileLang's w
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from fla.ops.utils import prepare_chunk_indices
 from fla.ops.utils.op import exp2
 from fla.utils import autotune_cache_kwargs
+
+from kdn.ops.triton.utils import kernel_choice
 
 
 @triton.jit
@@ -201,9 +201,7 @@ AUTO_TILELANG = False
 def use_tilelang(tensors: tuple[torch.Tensor, ...], beta: torch.Tensor, kernel: str | None) -> bool:
     """Whether the key-block kernel runs as TileLang's (module docstring) on ``tensors`` (``k``, ``v`` and the other
     16-bit inputs); ``kernel`` None reads ``KDN_WY_KERNEL``."""
-    kernel = kernel or os.environ.get("KDN_WY_KERNEL") or "auto"
-    if kernel not in KERNELS:
-        raise ValueError(f"WY backward kernel {kernel!r} is not one of {KERNELS}: set KDN_WY_KERNEL to one of them")
+    kernel = kernel_choice(kernel, "KDN_WY_KERNEL", KERNELS, "WY backward kernel")
     if kernel == "triton" or (kernel == "auto" and not AUTO_TILELANG) or triton.knobs.runtime.interpret:
         return False
     from kdn.ops.tilelang.wy import supports
