@@ -10,7 +10,7 @@ log2 space). Prints a table (ms, the bytes a pass must move per second, the spee
 difference from fla per output, and writes ``--out`` (JSON).
 
     python -m bench.wy_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --value-dim 128 \
-        --tiles 64,128,256,1,1 64,64,128,2,0
+        --tiles 64,128,128,1,0 64,64,128,2,0 64,128,256,1,1
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap)
     ap.add_argument("--value-dim", type=int, default=128)
-    ap.add_argument("--tiles", nargs="*", default=["64,128,256,1,1"],
+    ap.add_argument("--tiles", nargs="*", default=["64,128,128,1,0"],
                     help="TileLang settings to time, each BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED (sm_90)")
     ap.add_argument("--launch-once", action="store_true",
                     help="launch Triton's key-block kernel and TileLang's at each --tiles setting once each, after a "

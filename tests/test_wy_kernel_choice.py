@@ -1,7 +1,7 @@
 """The WY backward's choice between its Triton and TileLang key-block kernels, on the CPU: ``KDN_WY_KERNEL`` and the
 ``kernel`` argument are checked in one line, ``auto`` stays on Triton off Hopper, a forced TileLang off Hopper is
-refused with the fix; and, where TileLang is installed, its program lowers for sm_90 (TMA, wgmma) with and without
-packed sequences."""
+refused with the fix; and, where TileLang is installed, its program lowers for sm_90 (wgmma, with cp.async at the
+default tiles and TMA with the producer warpgroup) with and without packed sequences."""
 from __future__ import annotations
 
 import pytest
@@ -59,14 +59,17 @@ def test_fit_cuts_the_blocks_to_small_heads() -> None:
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
-def test_the_tilelang_program_lowers_for_sm90(varlen: bool) -> None:
+@pytest.mark.parametrize("ws", [False, True], ids=["cp.async", "producer"])
+def test_the_tilelang_program_lowers_for_sm90(varlen: bool, ws: bool) -> None:
     tilelang = pytest.importorskip("tilelang")
     from tvm.target import Target
 
-    from kdn.ops.tilelang.wy import WYTiles, _program
+    from kdn.ops.tilelang.wy import WYTiles, _program, pass_configs
 
+    tiles = WYTiles(warp_specialized=ws) if ws else WYTiles()
     target = Target("cuda -arch=sm_90")
-    with target:
-        source = tilelang.lower(_program(4, 128, 128, "bfloat16", "float32", varlen, WYTiles()),
+    with target, tilelang.transform.PassContext(config=pass_configs(tiles)):
+        source = tilelang.lower(_program(4, 128, 128, "bfloat16", "float32", varlen, tiles),
                                 target=target).kernel_source
-    assert "tma_load" in source and "wgmma" in source
+    assert "wgmma" in source
+    assert ("tma_load" in source) == ws and "cp_async" in source

@@ -1,6 +1,6 @@
 """The key-block half of the inter-chunk + WY backward (:func:`kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg`) on Hopper's
-asynchronous path, in TileLang: TMA loads into shared memory, ``wgmma`` with FP32 accumulators in registers, the
-loads of the next value block in flight while the tensor cores work on this one.
+asynchronous path, in TileLang: asynchronous copies into shared memory (``cp.async``; TMA from a producer warpgroup
+as a setting, :class:`WYTiles`), ``wgmma`` with FP32 accumulators in registers.
 
 It computes what the Triton ``_dqkg_kernel`` computes, for the same grid of work (one program per key block of 64,
 chunk of 64 and head; the key blocks of one chunk in neighbouring programs, which share ``v_new, do, dv`` in L2):
@@ -10,7 +10,7 @@ chunk of 64 and head; the key blocks of one chunk in neighbouring programs, whic
 Inputs travel flattened over batch and time (``[B*T, H, *]``; states ``[NTG, H, K, V]``, ``NTG`` the chunks of all
 sequences), so one compiled kernel serves every ``B`` and ``T`` (both are run-time values). Packed sequences map a
 program's chunk to its sequence through ``chunk_indices``; a chunk that ends before 64 rows reads the next rows of the
-tensor (those of the next sequence, or TMA's zeros past the end) and masks them out of every sum and store.
+tensor (those of the next sequence, or zeros past the end) and masks them out of every sum and store.
 
 Kernels are built per (``H, K, V``, dtypes, packing, tile settings) and compiled once per process; TileLang keeps
 the compiled code on disk under ``TILELANG_CACHE_DIR``.
@@ -29,8 +29,10 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: 
 
 @dataclass(frozen=True)
 class WYTiles:
-    """Tile settings of the TileLang WY kernel. The defaults are those the GPU tests ran; 256 compute threads and whole
-    value rows (``block_v=128, threads=256, stages=1``) took 27% less time in the benchmark (docs/results.md).
+    """Tile settings of the TileLang WY kernel. The defaults are those the GPU tests ran and the fastest of the
+    benchmark's sweep on Hopper (docs/results.md): whole value rows in one step, and every thread computing, its
+    loads through ``cp.async``; the producer warpgroup's TMA path left nothing in flight between a program's loads
+    and its dots and took 1.1-1.5x the time.
 
     Args:
         block_k: key columns per program (a divisor of ``K``; ``K // block_k`` shares of ``dA`` and ``db``).
@@ -43,10 +45,16 @@ class WYTiles:
     """
 
     block_k: int = 64
-    block_v: int = 64
+    block_v: int = 128
     threads: int = 128
-    stages: int = 2
-    warp_specialized: bool = True
+    stages: int = 1
+    warp_specialized: bool = False
+
+
+def pass_configs(tiles: WYTiles) -> dict[str, bool]:
+    """TileLang's pass settings for ``tiles``: without the producer warpgroup, TMA lowering is off too."""
+    ws = tiles.warp_specialized
+    return {"tl.disable_warp_specialized": not ws, "tl.disable_tma_lower": not ws}
 
 
 def _program(H: int, K: int, V: int, in_dtype: str, beta_dtype: str, varlen: bool, tiles: WYTiles) -> Any:
@@ -185,10 +193,8 @@ def _kernel(H: int, K: int, V: int, in_dtype: str, beta_dtype: str, varlen: bool
     """The compiled kernel of one configuration (once per process; TileLang's disk cache across processes)."""
     import tilelang
 
-    ws = tiles.warp_specialized
-    configs = {"tl.disable_warp_specialized": not ws, "tl.disable_tma_lower": not ws}
     return tilelang.compile(_program(H, K, V, in_dtype, beta_dtype, varlen, tiles), target="cuda",
-                            pass_configs=configs)
+                            pass_configs=pass_configs(tiles))
 
 
 def fit(tiles: WYTiles, K: int, V: int) -> WYTiles:

@@ -24,10 +24,10 @@ first kernel then does the same work, and the second loads ``A``'s block once fo
 64 (less for K < 64), not tuned: on an H200 at K = 128 the first kernel takes the same time at BK = 32 and 64, but 32
 doubles the shares that the second kernel reads (and the autotuner, timing the first alone, cannot see that).
 
-The first kernel also exists as a TileLang program for Hopper (sm_90; TMA and wgmma, :mod:`kdn.ops.tilelang.wy`),
-for 16-bit inputs with ``K`` and ``V`` multiples of 64. ``kernel`` (or the environment variable ``KDN_WY_KERNEL``)
-chooses: ``"triton"``, ``"tilelang"``, or ``"auto"`` (the default): TileLang's where it applies if
-:data:`AUTO_TILELANG`, else Triton's, the portable path (other GPUs, FP32 operands, Triton's interpreter).
+The first kernel also exists as a TileLang program for Hopper (sm_90; asynchronous copies and wgmma,
+:mod:`kdn.ops.tilelang.wy`), for 16-bit inputs with ``K`` and ``V`` multiples of 64. ``kernel`` (or the environment
+variable ``KDN_WY_KERNEL``) chooses: ``"triton"``, ``"tilelang"``, or ``"auto"`` (the default): TileLang's where it
+applies, else Triton's, the portable path (other GPUs, FP32 operands, Triton's interpreter).
 """
 from __future__ import annotations
 
@@ -193,16 +193,13 @@ def _dA_kernel(v, beta, A, dv, dv2, db, dA, dA_part, db_part, cu_seqlens, chunk_
 
 
 KERNELS = ("auto", "triton", "tilelang")
-# whether "auto" takes the TileLang kernel where it applies: not while it is slower than the Triton kernel on an
-# H200 at the training shape (docs/performance.md, "Memory and WY")
-AUTO_TILELANG = False
 
 
 def use_tilelang(tensors: tuple[torch.Tensor, ...], beta: torch.Tensor, kernel: str | None) -> bool:
     """Whether the key-block kernel runs as TileLang's (module docstring) on ``tensors`` (``k``, ``v`` and the other
     16-bit inputs); ``kernel`` None reads ``KDN_WY_KERNEL``."""
     kernel = kernel_choice(kernel, "KDN_WY_KERNEL", KERNELS, "WY backward kernel")
-    if kernel == "triton" or (kernel == "auto" and not AUTO_TILELANG) or triton.knobs.runtime.interpret:
+    if kernel == "triton" or triton.knobs.runtime.interpret:
         return False
     from kdn.ops.tilelang.wy import supports
 
