@@ -1,13 +1,14 @@
 """The intra-chunk backward of the KDN memory on CUDA: fla's ``chunk_precond_kda_bwd_intra`` path (its kernel, then
 ``dg``'s reverse sum within the chunks) against ours (``kdn.ops.triton.intra.chunk_asym_bwd_intra``, the sum fused) at
-each ``--block-k``, at the shape of a training step's layer.
+each ``--block-k``, and with ``--tma`` its copy on tensor descriptors (``kdn.ops.triton.intra_tma``) too, at the shape
+of a training step's layer.
 
 Inputs as the memory's backward passes them: bf16 ``q, k, k_precond``, FP32 ``g`` (a per-chunk cumulative sum in log2
 space, inside fla's safe envelope), ``beta``, ``dAqk, dAkk`` and the incoming ``dq, dk, dk_precond, db, dg``. Prints a
 table (ms, the bytes a pass must move per second, the speedup) and ours' relative difference from fla per output, and
 writes ``--out`` (JSON). ``--launch-once`` launches each once after a warm-up, for Nsight Compute.
 
-    python -m bench.intra_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --block-k 32 64
+    python -m bench.intra_throughput --batch 8 --seqlen 4096 --heads 16 --key-dim 128 --block-k 32 64 --tma
 """
 from __future__ import annotations
 
@@ -56,8 +57,11 @@ def main() -> None:
     add_shape_args(ap)
     ap.add_argument("--block-k", type=int, nargs="*", default=[32, 64])
     ap.add_argument("--launch-once", action="store_true",
-                    help="launch fla's kernel and ours at each --block-k once each after a warm-up call, and time "
-                         "nothing: for Nsight Compute (ncu -k regex:intra)")
+                    help="launch fla's kernel and ours at each --block-k (and with --tma the descriptor copy's) once "
+                         "each after a warm-up call, and time nothing: for Nsight Compute (ncu -k regex:intra)")
+    ap.add_argument("--tma", action="store_true",
+                    help="also time kdn.ops.triton.intra_tma.chunk_asym_bwd_intra_tma (tiles through tensor "
+                         "descriptors) at each --block-k")
     ap.add_argument("--out", default="bench/results/intra_throughput.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -65,6 +69,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from kdn.ops.triton.intra import _intra_bwd_kernel, chunk_asym_bwd_intra
+    from kdn.ops.triton.intra_tma import _intra_bwd_tma_kernel, chunk_asym_bwd_intra_tma
 
     os.environ["KDN_INTRA_KERNEL"] = "fla"  # _fla's path; ours is called directly
     torch.manual_seed(0)
@@ -73,6 +78,10 @@ def main() -> None:
     for bk in a.block_k:
         fns[f"kdn.ops.triton.intra chunk_asym_bwd_intra, block_k {bk}"] = \
             lambda bk=bk: chunk_asym_bwd_intra(**x, block_k=bk)
+    if a.tma:
+        for bk in a.block_k:
+            fns[f"kdn.ops.triton.intra_tma chunk_asym_bwd_intra_tma, block_k {bk}"] = \
+                lambda bk=bk: chunk_asym_bwd_intra_tma(**x, block_k=bk)
     if a.launch_once:
         for fn in fns.values():
             fn()
@@ -85,16 +94,17 @@ def main() -> None:
         outs[name] = fn()  # (autotunes)
         ms = do_bench(fn)
         if name.startswith("kdn"):
-            configs[name] = str(_intra_bwd_kernel.best_config)
+            kernel = _intra_bwd_tma_kernel if "intra_tma" in name else _intra_bwd_kernel
+            configs[name] = str(kernel.best_config)
         written = sum(t.numel() * t.element_size() for t in outs[name])
         rows.append({"kernel": name, "ms": ms, "GBps": (moved + written) / ms / 1e6})
     for r in rows:
         r["speedup"] = rows[0]["ms"] / r["ms"]
     ref = next(iter(outs.values()))
     diff = relative_differences(outs, ref, NAMES)
-    print(f"{'kernel':<58} {'ms':>8} {'GB/s':>7} {'speedup':>8}")
+    print(f"{'kernel':<66} {'ms':>8} {'GB/s':>7} {'speedup':>8}")
     for r in rows:
-        print(f"{r['kernel']:<58} {r['ms']:8.3f} {r['GBps']:7.0f} {r['speedup']:8.2f}")
+        print(f"{r['kernel']:<66} {r['ms']:8.3f} {r['GBps']:7.0f} {r['speedup']:8.2f}")
     print("ours' configs:", configs)
     for name, d in diff.items():
         print(f"relative difference against fla, {name}:", {n: f"{v:.1e}" for n, v in d.items()})

@@ -1,4 +1,6 @@
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a GPU test, the CUDA blocks its tensors left in torch's caching allocator go back to the device: the GPU
+    suite runs in several processes at once (pytest-xdist), and blocks cached by one are memory the others lack."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

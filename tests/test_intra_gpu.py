@@ -1,9 +1,11 @@
-"""The intra-chunk backward (``kdn.ops.triton.intra.chunk_asym_bwd_intra``) and fla's kernel it replaces, both against
+"""The intra-chunk backward, both of ours (``kdn.ops.triton.intra_tma.chunk_asym_bwd_intra_tma``, tiles by tensor
+descriptors, the default on sm_90; ``kdn.ops.triton.intra.chunk_asym_bwd_intra``, by pointers) and fla's kernel they
+replace, all against
 a float64 autograd reference of the chunk blocks ``Aqk, Akk`` on the same inputs (bf16 ``q, k, kp``; FP32 gates and
 incoming gradients, as the memory's backward passes them): every output (``dq, dk, dkp, db, dg``) within ``TOL``,
 and the bf16 outputs within ``RATIO`` times fla's error plus 1e-5. Shapes: T a multiple of the chunk and not, K of 64
 and 128, packed sequences with chunks cut short (one of a single token), key blocks of 32 and 64, gates falling
-slowly and fast, ``dg`` summed within the chunk and per token, and the TF32x3 copy (FP32 inputs) against float64.
+slowly and fast, ``dg`` summed within the chunk and per token, and the TF32x3 copies (FP32 inputs) against float64.
 Each case also writes its errors to ``$KDN_ACCURACY_JSON`` (JSON lines) when set."""
 from __future__ import annotations
 
@@ -111,14 +113,22 @@ def _record(case: str, errs: dict[str, float], fla_errs: dict[str, float]) -> No
             f.write(json.dumps({"test": "intra_bwd", "case": case, "kdn": errs, "fla": fla_errs}) + "\n")
 
 
+def launcher(kernel: str):
+    """Our intra-chunk backward by name: ``"tma"`` or ``"kdn"`` (pointers)."""
+    from kdn.ops.triton.intra import chunk_asym_bwd_intra
+    from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma
+
+    return {"tma": chunk_asym_bwd_intra_tma, "kdn": chunk_asym_bwd_intra}[kernel]
+
+
 @requires_cuda
+@pytest.mark.parametrize("kernel", ["tma", "kdn"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}{'-packed' if c[4] else ''}"
                          f"-decay{c[5]}-bk{c[6]}{'' if c[7] else '-pertoken'}")
-def test_intra_matches_float64(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_intra_matches_float64(case: tuple, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from fla.ops.utils import prepare_chunk_indices
     from kdn_inputs import rel_err
 
-    from kdn.ops.triton.intra import chunk_asym_bwd_intra
     from kdn.ops.triton.safe_gate import safe_gate
 
     B, T, H, K, cu, decay, block_k, sums = case
@@ -127,31 +137,44 @@ def test_intra_matches_float64(case: tuple, monkeypatch: pytest.MonkeyPatch) -> 
     ci = None if cu is None else prepare_chunk_indices(cu_t, BT)
     assert bool(safe_gate(gate)), "the case's gates must be inside the safe envelope"
     ref = reference(x, cu, sums)
-    ours = chunk_asym_bwd_intra(**x, cu_seqlens=cu_t, chunk_indices=ci, dg_chunk_sums=sums, block_k=block_k)
+    ours = launcher(kernel)(**x, cu_seqlens=cu_t, chunk_indices=ci, dg_chunk_sums=sums, block_k=block_k)
     theirs = fla_intra(x, cu_t, ci, sums, monkeypatch)
     for name, o, r in zip(NAMES, ours, theirs):
         assert o.shape == r.shape and o.dtype == r.dtype, name
     errs = {n: rel_err(o, ref[n]) for n, o in zip(NAMES, ours)}
     fla_errs = {n: rel_err(o, ref[n]) for n, o in zip(NAMES, theirs)}
-    _record(str(case[:-2]) + f" bk{block_k} sums={sums}", errs, fla_errs)
+    _record(f"{kernel} {case[:-2]} bk{block_k} sums={sums}", errs, fla_errs)
     for n in NAMES:
         assert errs[n] < TOL[n] and errs[n] <= RATIO.get(n, float("inf")) * fla_errs[n] + 1e-5, (n, errs, fla_errs)
 
 
 @requires_cuda
-def test_intra_precise_matches_float64() -> None:
-    """The TF32x3 copy on FP32 inputs (the FP32 route) is FP32-accurate against float64 (within 1e-5)."""
+@pytest.mark.parametrize("kernel", ["tma", "kdn"])
+def test_intra_precise_matches_float64(kernel: str) -> None:
+    """The TF32x3 copies on FP32 inputs (the FP32 route) are FP32-accurate against float64 (within 1e-5)."""
     from fla.ops.utils import prepare_chunk_indices
     from kdn_inputs import rel_err
 
-    from kdn.ops.triton.intra import chunk_asym_bwd_intra
     from kdn.ops.triton.precision import precise_launcher
 
     cu = [0, 100, 333, 512]
     x, _ = make_inputs(1, 512, 2, 128, cu, 1.0, torch.float32, seed=7)
     cu_t = torch.tensor(cu, device="cuda")
-    ours = precise_launcher(chunk_asym_bwd_intra)(**x, cu_seqlens=cu_t, chunk_indices=prepare_chunk_indices(cu_t, BT))
+    ours = precise_launcher(launcher(kernel))(**x, cu_seqlens=cu_t, chunk_indices=prepare_chunk_indices(cu_t, BT))
     ref = reference(x, cu, True)
     errs = {n: rel_err(o, ref[n]) for n, o in zip(NAMES, ours)}
-    _record("precise fp32 packed", errs, {})
+    _record(f"{kernel} precise fp32 packed", errs, {})
     assert max(errs.values()) < 1e-5, errs
+
+
+@requires_cuda
+def test_intra_auto_takes_tma_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` takes the descriptor kernel on sm_90 or later for the memory's tensors, the pointer kernel for a
+    misaligned view."""
+    from kdn.ops.triton.memory import intra_kernel
+
+    monkeypatch.delenv("KDN_INTRA_KERNEL", raising=False)
+    x = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert intra_kernel(True, (x, x)) == ("tma" if hopper else "kdn")
+    assert intra_kernel(True, (x, x[..., 1:])) == "kdn"

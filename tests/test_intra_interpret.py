@@ -3,7 +3,7 @@
 safe-gate path and its token loop: all five outputs to 1e-5 (relative), with T not a multiple of the chunk, one and
 several key blocks (K not a multiple of the block), packed sequences, gates falling slowly and fast, and ``dg`` per
 token (summed here by fla's ``chunk_local_cumsum``). A control shows that the comparison catches a transposed
-``dAqk``. The choice between the two kernels (``KDN_INTRA_KERNEL``) and its one-line errors are checked without the
+``dAqk``. The choice between the kernels (``KDN_INTRA_KERNEL``) and its one-line errors are checked without the
 interpreter."""
 from __future__ import annotations
 
@@ -78,19 +78,25 @@ def test_intra_bwd_in_interpreter_matches_fla() -> None:
 
 
 def test_intra_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.ops.triton.memory import use_own_intra
+    import torch
 
+    from kdn.ops.triton.memory import intra_kernel
+
+    cpu = (torch.randn(1, 64, 1, 32),)  # no TMA off CUDA: auto takes the pointer kernel
     monkeypatch.delenv("KDN_INTRA_KERNEL", raising=False)
-    assert use_own_intra(True) and not use_own_intra(False)
-    assert not use_own_intra(True, "fla") and use_own_intra(True, "kdn")
+    assert intra_kernel(True, cpu) == "kdn" and intra_kernel(False, cpu) == "fla"
+    assert intra_kernel(True, cpu, "fla") == "fla" and intra_kernel(True, cpu, "kdn") == "kdn"
     monkeypatch.setenv("KDN_INTRA_KERNEL", "fla")
-    assert not use_own_intra(True)
-    monkeypatch.setenv("KDN_INTRA_KERNEL", "kdn")
-    with pytest.raises(ValueError, match="outside|not: set KDN_INTRA_KERNEL=auto"):
-        use_own_intra(False)
+    assert intra_kernel(True, cpu) == "fla"
+    for forced in ("kdn", "tma"):
+        monkeypatch.setenv("KDN_INTRA_KERNEL", forced)
+        with pytest.raises(ValueError, match="not: set KDN_INTRA_KERNEL=auto"):
+            intra_kernel(False, cpu)
+    with pytest.raises(ValueError, match="sm_90 .* set KDN_INTRA_KERNEL=auto"):
+        intra_kernel(True, cpu)
     monkeypatch.setenv("KDN_INTRA_KERNEL", "tilelang")
     with pytest.raises(ValueError, match="is not one of .* set KDN_INTRA_KERNEL"):
-        use_own_intra(True)
+        intra_kernel(True, cpu)
 
 
 def test_intra_rejects_other_chunks() -> None:

@@ -3,7 +3,8 @@
 ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
 side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
 and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
-fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra`), with the final chunk sums of ``dg`` left
+fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra_tma` on sm_90, :mod:`kdn.ops.triton.intra`
+elsewhere), with the final chunk sums of ``dg`` left
 to the caller on request (:func:`_asym_intra_bwd`). Both KDNs
 run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
 so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
@@ -26,6 +27,7 @@ import triton
 from torch import Tensor
 
 from kdn.ops.triton.intra import chunk_asym_bwd_intra
+from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma, tma_supported
 from kdn.ops.triton.precision import precise_kernel, precise_launcher
 from kdn.ops.triton.safe_gate import SafeGate
 from kdn.ops.triton.utils import kernel_choice
@@ -91,12 +93,15 @@ def _asym_intra_bwd(
     ``dg_chunk_sums=False`` skips the sum, for a later pass that walks the tokens anyway to take it on (both KDN
     gains' last backward launch).
 
-    Inside fla's safe envelope, ours (:mod:`kdn.ops.triton.intra`: one program a chunk, the sum fused); outside it,
-    fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for any gate; ``KDN_INTRA_KERNEL``
-    (:func:`use_own_intra`) can force fla's."""
-    if use_own_intra(safe):
-        return _precise(chunk_asym_bwd_intra, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
-                                                       dg_chunk_sums=dg_chunk_sums, **seqs)
+    Inside fla's safe envelope, ours (one program a chunk, the sum fused): its tiles through tensor descriptors
+    where the GPU and the tensors allow (:mod:`kdn.ops.triton.intra_tma`), else through pointers
+    (:mod:`kdn.ops.triton.intra`); outside it, fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for
+    any gate. ``KDN_INTRA_KERNEL`` (:func:`intra_kernel`) can force any of the three."""
+    kernel = intra_kernel(safe, (q, k, kappa, gc, dAqk, dAkk, dq, dk, dkg, dg))
+    if kernel != "fla":
+        fn = chunk_asym_bwd_intra_tma if kernel == "tma" else chunk_asym_bwd_intra
+        return _precise(fn, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
+                                     dg_chunk_sums=dg_chunk_sums, **seqs)
     from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
@@ -120,18 +125,27 @@ def _asym_intra_bwd(
     return dq2, dk2, dkappa2, db, dg2
 
 
-INTRA_KERNELS = ("auto", "kdn", "fla")
+INTRA_KERNELS = ("auto", "tma", "kdn", "fla")
 
 
-def use_own_intra(safe: bool, kernel: str | None = None) -> bool:
-    """Whether the intra-chunk backward runs as ours (:mod:`kdn.ops.triton.intra`) for gates that are (``safe``) or
-    are not inside fla's safe envelope. ``kernel``: ``"auto"`` (ours exactly when ``safe``), ``"kdn"`` (the same,
-    and an error when not ``safe``), ``"fla"`` (fla's always); None reads ``KDN_INTRA_KERNEL``, else ``"auto"``."""
+def intra_kernel(safe: bool, tensors: tuple[Tensor, ...] = (), kernel: str | None = None) -> str:
+    """Which intra-chunk backward runs, for gates that are (``safe``) or are not inside fla's safe envelope, on
+    ``tensors`` (the launch's inputs and incoming gradients): ``"tma"`` (ours on tensor descriptors,
+    :mod:`kdn.ops.triton.intra_tma`), ``"kdn"`` (ours on pointers, :mod:`kdn.ops.triton.intra`: any GPU and the
+    interpreter) or ``"fla"``. ``kernel``: ``"auto"`` (fla's outside the envelope; inside it ``"tma"`` where
+    :func:`~kdn.ops.triton.intra_tma.tma_supported`, else ``"kdn"``), or one of the three, forced (ours refuse gates
+    outside the envelope, ``"tma"`` tensors it cannot take); None reads ``KDN_INTRA_KERNEL``, else ``"auto"``."""
     kernel = kernel_choice(kernel, "KDN_INTRA_KERNEL", INTRA_KERNELS, "intra-chunk backward kernel")
-    if kernel == "kdn" and not safe:
+    if kernel in ("tma", "kdn") and not safe:
         raise ValueError("the KDN intra-chunk backward needs gates inside fla's safe envelope, and these are not: "
                          "set KDN_INTRA_KERNEL=auto (or fla)")
-    return kernel != "fla" and safe
+    tma = tma_supported(*tensors)
+    if kernel == "tma" and not tma:
+        raise ValueError("the TMA intra-chunk backward needs CUDA tensors on sm_90 or later with 16-byte aligned rows: "
+                         "set KDN_INTRA_KERNEL=auto (or kdn)")
+    if kernel == "auto":
+        return ("tma" if tma else "kdn") if safe else "fla"
+    return kernel
 
 
 def _asym_memory_fwd(
@@ -209,7 +223,8 @@ class _AsymmetricMemory(torch.autograd.Function):
     ``fla.ops.precond_kda`` without its preconditioner: ``kappa`` takes the place of ``beta k_precond``), except the
     inter-chunk + WY backward, ours (:func:`kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg`: the same values, split over key
     blocks, 2x faster on an H200), and the intra-chunk backward inside fla's safe envelope, ours
-    (:func:`kdn.ops.triton.intra.chunk_asym_bwd_intra`).
+    (:func:`kdn.ops.triton.intra_tma.chunk_asym_bwd_intra_tma` on sm_90, else
+    :func:`kdn.ops.triton.intra.chunk_asym_bwd_intra`).
 
     ``q, k, kappa: [B,T,H,K]`` and ``v [B,T,H,V]`` (bf16 or FP32), ``g [B,T,H,K]`` FP32 log-retention,
     ``beta [B,T,H]`` (``kappa``'s dtype; ``None``: ones, the write key is ``kappa`` alone), ``S0 [N,H,K,V]`` FP32 or
