@@ -143,6 +143,20 @@ def _intra_bwd_kernel(q, k, k_precond, g, beta, dAqk, dAkk, dq, dk, dkp, dg, dq2
     tl.store(dg2 + p_tk, b_dg, mask=m_tk)
 
 
+def launch_sizes(K: int, T: int, chunk_size: int, block_k: int, cu_seqlens: torch.Tensor | None,
+                 chunk_indices: torch.Tensor | None) -> tuple[int, int, int]:
+    """The key block, key blocks and chunks of an intra-chunk backward launch ``(BK, NK, NT)``; refuses chunks other
+    than 64 and packed sequences without ``chunk_indices`` in one line."""
+    if chunk_size != 64:
+        raise ValueError(f"the intra-chunk backward is written for chunks of 64 rows, got {chunk_size}: "
+                         "pass chunk_size=64")
+    if cu_seqlens is not None and chunk_indices is None:
+        raise ValueError("packed sequences need chunk_indices: pass prepare_chunk_indices(cu_seqlens, 64) "
+                         "(fla.ops.utils)")
+    BK = min(block_k, max(16, triton.next_power_of_2(K)))
+    return BK, triton.cdiv(K, BK), triton.cdiv(T, chunk_size) if cu_seqlens is None else len(chunk_indices)
+
+
 def chunk_asym_bwd_intra(
     q: torch.Tensor, k: torch.Tensor, k_precond: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     dAqk: torch.Tensor, dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dk_precond: torch.Tensor,
@@ -170,14 +184,7 @@ def chunk_asym_bwd_intra(
     """
     B, T, H, K = k.shape
     BT, BC = chunk_size, 16
-    if BT != 64:
-        raise ValueError(f"the intra-chunk backward is written for chunks of 64 rows, got {BT}: pass chunk_size=64")
-    if cu_seqlens is not None and chunk_indices is None:
-        raise ValueError("packed sequences need chunk_indices: pass prepare_chunk_indices(cu_seqlens, 64) "
-                         "(fla.ops.utils)")
-    BK = min(block_k, max(16, triton.next_power_of_2(K)))
-    NK = triton.cdiv(K, BK)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    BK, NK, NT = launch_sizes(K, T, chunk_size, block_k, cu_seqlens, chunk_indices)
     dq2, dk2, dkp2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k_precond)
     dg2 = torch.empty_like(g, dtype=torch.float)
     db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)

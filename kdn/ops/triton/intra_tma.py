@@ -29,6 +29,8 @@ from fla.utils import autotune_cache_kwargs
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kdn.ops.triton.intra import launch_sizes
+
 
 @triton.jit
 def _ld(d, i_b, i_h, row, col, R: tl.constexpr, C: tl.constexpr):
@@ -192,11 +194,7 @@ def chunk_asym_bwd_intra_tma(
     """
     B, T, H, K = k.shape
     BT, BC = chunk_size, 16
-    if BT != 64:
-        raise ValueError(f"the intra-chunk backward is written for chunks of 64 rows, got {BT}: pass chunk_size=64")
-    if cu_seqlens is not None and chunk_indices is None:
-        raise ValueError("packed sequences need chunk_indices: pass prepare_chunk_indices(cu_seqlens, 64) "
-                         "(fla.ops.utils)")
+    BK, NK, NT = launch_sizes(K, T, chunk_size, block_k, cu_seqlens, chunk_indices)
     dq2, dk2, dkp2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k_precond)
     dg2 = torch.empty_like(g, dtype=torch.float)
     tiles = (q, k, k_precond, g, dq, dk, dk_precond, dg, dq2, dk2, dkp2, dg2)
@@ -209,9 +207,6 @@ def chunk_asym_bwd_intra_tma(
     if cu_seqlens is not None and not triton.knobs.runtime.interpret \
             and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)  # the partial chunks' in-kernel descriptors
-    BK = min(block_k, max(16, triton.next_power_of_2(K)))
-    NK = triton.cdiv(K, BK)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
     t_desc = [_desc(x, BT, BK) for x in tiles]
     s_desc = [_desc(x, BC, BK) for x in (q, k, k_precond, g)]
