@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def _record(case: str, errs: dict[str, float], fla_errs: dict[str, float]) -> No
             f.write(json.dumps({"test": "intra_bwd", "case": case, "kdn": errs, "fla": fla_errs}) + "\n")
 
 
-def launcher(kernel: str):
+def launcher(kernel: str) -> Callable[..., tuple[torch.Tensor, ...]]:
     """Our intra-chunk backward by name: ``"tma"`` or ``"kdn"`` (pointers)."""
     from kdn.ops.triton.intra import chunk_asym_bwd_intra
     from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma
