@@ -187,7 +187,7 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int, pre
         "linear_tflops": linear_flops / (ms_fb / 1e3) / 1e12,
     }
     if ms_kernel is not None:  # the kernel-only run against the analytic floors (bench.roofline)
-        row.update(roofline.achieved(name.split("@")[0], B, T, H, K, K, ms_kernel))
+        row.update(roofline.achieved(name.split("@")[0], B, T, H, K, K, ms_kernel, torch.cuda.get_device_name()))
     return row
 
 
@@ -221,8 +221,9 @@ def plot(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def report(rows: list[dict]) -> None:
-    """Print the table of ``rows``; the ``x KDA`` column is each row's tokens/s over KDA's at the same T."""
+def report(rows: list[dict], device: str) -> None:
+    """Print the table of ``rows`` measured on ``device``; the ``x KDA`` column is each row's tokens/s over KDA's at
+    the same T."""
     ref = {r["T"]: r["tokens_per_s"] for r in rows if r["mixer"] == "kda" and "error" not in r}
     print(f"\n{'mixer':<14}{'T':>7}{'fwd+bwd ms':>12}{'fwd ms':>9}{'host ms':>9}{'kernel ms':>11}{'Mtok/s':>9}"
           f"{'x KDA':>7}{'peak GB':>9}{'kern TF/s':>11}{'kern GB/s':>11}")
@@ -237,9 +238,10 @@ def report(rows: list[dict]) -> None:
         gb = f"{r['kernel_gbps']:.0f}" if "kernel_gbps" in r else "-"
         print(f"{label:<14}{r['T']:>7}{r['ms_fwdbwd']:>12.2f}{r['ms_fwd']:>9.2f}{r['ms_host_fwdbwd']:>9.2f}{kern:>11}"
               f"{r['tokens_per_s'] / 1e6:>9.3f}{ratio:>7.2f}{r['peak_mem_gb']:>9.2f}{tf:>11}{gb:>11}")
-    print(f"ceilings: {roofline.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 dense, {roofline.H200_HBM_TBPS} TB/s HBM "
-          "(kernel columns: bench.roofline's analytic FLOPs and compulsory bytes over the kernel-only time); "
-          "host ms: CPU time to enqueue one fwd+bwd")
+    peak = roofline.ceilings(device)
+    print((f"{device}'s ceilings: {peak[0]:.0f} TFLOP/s bf16 dense, {peak[1]} TB/s HBM" if peak else
+           f"no ceilings known for {device}") + " (kernel columns: bench.roofline's analytic FLOPs and compulsory "
+          "bytes over the kernel-only time); host ms: CPU time to enqueue one fwd+bwd")
 
 
 def merge(paths: list[Path], out: Path) -> None:
@@ -253,7 +255,7 @@ def merge(paths: list[Path], out: Path) -> None:
     header = {**runs[0]["header"], "merged_from": [run["header"] for run in runs]}
     write_atomic(out, json.dumps({"header": header, "results": rows}, indent=1))
     plot(rows, out.with_suffix(".png"))
-    report(rows)
+    report(rows, header["device"])
 
 
 def main() -> None:
@@ -300,7 +302,7 @@ def main() -> None:
             # after every row, so that a sweep stopped by a time limit keeps what it measured
             write_atomic(args.out, json.dumps({"header": header, "results": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
-    report(rows)
+    report(rows, header["device"])
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@ The model (stated, not measured): a chunked delta-rule memory with chunk ``C`` s
 triangular solve, the pseudo-values, the state read, output and update) and twice that backward. Compulsory
 traffic is each kernel-only input read once forward and once backward, the output written once, the output
 gradient read once and every input gradient written once (q, k, v in bf16; gates, noise and gains in FP32).
-Achieved rates are these counts over the measured time; the H200's ceilings are its dense bf16 tensor-core
-rate and its HBM bandwidth.
+Achieved rates are these counts over the measured time; the ceilings are the GPU's dense bf16 tensor-core rate and
+its HBM bandwidth (:func:`ceilings`, by the device's name).
 """
 from __future__ import annotations
 
-H200_BF16_TFLOPS = 989.0
-H200_HBM_TBPS = 4.8
+# (name fragment, dense bf16 TFLOP/s, HBM TB/s) from NVIDIA's data sheets, the first match wins
+CEILINGS = (("H200", 989.0, 4.8), ("H100 PCIe", 756.0, 2.0), ("H100 NVL", 835.0, 3.9), ("H100", 989.0, 3.35))
 
 BF16, FP32 = 2, 4
 
@@ -40,11 +40,19 @@ def kernel_bytes(mixer: str, B: int, T: int, H: int, K: int, V: int) -> float:
     return (inputs + out) + (inputs + out + inputs)
 
 
-def achieved(mixer: str, B: int, T: int, H: int, K: int, V: int, ms: float) -> dict[str, float]:
-    """Achieved TFLOP/s and GB/s of a kernel-only fwd+bwd that took ``ms``, and their fractions of the ceilings."""
+def ceilings(device: str) -> tuple[float, float] | None:
+    """``(dense bf16 TFLOP/s, HBM TB/s)`` of the GPU named ``device`` (``torch.cuda.get_device_name()``), or ``None``
+    for a GPU not in :data:`CEILINGS`."""
+    return next(((tf, tb) for frag, tf, tb in CEILINGS if frag in device), None)
+
+
+def achieved(mixer: str, B: int, T: int, H: int, K: int, V: int, ms: float, device: str) -> dict[str, float]:
+    """Achieved TFLOP/s and GB/s of a kernel-only fwd+bwd that took ``ms``, and their fractions of ``device``'s
+    ceilings (:func:`ceilings`; no fractions for a GPU it does not know)."""
     if not ms > 0:
         raise ValueError(f"the measured time must be positive, got {ms} ms")
     tflops = memory_flops(B, T, H, K, V) / (ms / 1e3) / 1e12
     gbps = kernel_bytes(mixer, B, T, H, K, V) / (ms / 1e3) / 1e9
-    return {"kernel_tflops": tflops, "kernel_gbps": gbps, "tflops_frac": tflops / H200_BF16_TFLOPS,
-            "hbm_frac": gbps / (H200_HBM_TBPS * 1e3)}
+    peak = ceilings(device)
+    fracs = {} if peak is None else {"tflops_frac": tflops / peak[0], "hbm_frac": gbps / (peak[1] * 1e3)}
+    return {"kernel_tflops": tflops, "kernel_gbps": gbps, **fracs}

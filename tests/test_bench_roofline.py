@@ -23,10 +23,17 @@ def test_bytes_scale_with_tokens_and_differ_by_mixer() -> None:
 
 
 def test_achieved_rates_and_errors() -> None:
-    rates = roofline.achieved("kdn_iso", 4, 8192, 16, 128, 128, ms=10.0)
+    rates = roofline.achieved("kdn_iso", 4, 8192, 16, 128, 128, ms=10.0, device="NVIDIA H200")
     assert rates["kernel_tflops"] == pytest.approx(roofline.memory_flops(4, 8192, 16, 128, 128) / 1e-2 / 1e12)
     assert rates["hbm_frac"] == pytest.approx(rates["kernel_gbps"] / 4800)
+    assert rates["tflops_frac"] == pytest.approx(rates["kernel_tflops"] / 989)
+    # each GPU against its own ceilings; none for one the table does not know
+    h100 = roofline.achieved("kdn_iso", 4, 8192, 16, 128, 128, ms=10.0, device="NVIDIA H100 80GB HBM3")
+    assert h100["hbm_frac"] == pytest.approx(rates["kernel_gbps"] / 3350)
+    assert roofline.ceilings("NVIDIA H100 PCIe") == (756.0, 2.0)
+    other = roofline.achieved("kdn_iso", 4, 8192, 16, 128, 128, ms=10.0, device="NVIDIA A100-SXM4-80GB")
+    assert "hbm_frac" not in other and other["kernel_gbps"] == rates["kernel_gbps"]
     with pytest.raises(ValueError, match="no byte model"):
         roofline.kernel_bytes("mamba3_siso", 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match="positive"):
-        roofline.achieved("kda", 1, 1, 1, 1, 1, ms=0.0)
+        roofline.achieved("kda", 1, 1, 1, 1, 1, ms=0.0, device="NVIDIA H200")
