@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import models
+from bench import provenance
 from bench.mixer_throughput import RESULTS, write_atomic
 from trainer.distributed import cuda_matmul_defaults
 from trainer.metrics import peak_flops
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         cuda_matmul_defaults()
-    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    header = {**provenance("bench.profile_step", argv),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "autocast": "bf16" if device.type == "cuda" else None, "steps": args.steps,
               "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
               "backbone": args.backbone, "size": args.size, "batch": args.batch, "seq_len": args.seq_len,

@@ -253,7 +253,11 @@ def test_profile_step_rows_and_error_rows(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     main(["--size", "toy", "--mixers", "kdn_iso", "nope", "--seq-len", "32", "--batch", "2", "--steps", "1",
           "--rows", "3", "--vocab", "256", "--device", "cpu", "--out", str(out)])
-    rows = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    rows, header = written["results"], written["header"]
+    # the figure's provenance: the commit and the command beside the device and versions
+    assert {"git_commit", "command", "date", "torch", "triton"} <= header.keys() and header["device"] == "cpu"
+    assert header["command"].startswith("python -m bench.profile_step --size toy")
     assert rows[0]["mixer"] == "kdn_iso" and rows[0]["ms_step"] > 0 and len(rows[0]["top"]) == 3
     assert rows[0]["tokens_per_s"] == pytest.approx(64 / rows[0]["ms_step"] * 1e3)
     assert rows[1] == {"mixer": "nope", "error": rows[1]["error"]} and "unknown mixer 'nope'" in rows[1]["error"]
