@@ -157,6 +157,14 @@ def launch_sizes(K: int, T: int, chunk_size: int, block_k: int, cu_seqlens: torc
     return BK, triton.cdiv(K, BK), triton.cdiv(T, chunk_size) if cu_seqlens is None else len(chunk_indices)
 
 
+def new_outputs(q: torch.Tensor, k: torch.Tensor, k_precond: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                NK: int) -> tuple[torch.Tensor, ...]:
+    """The launch's outputs ``(dq2, dk2, dkp2, dg2, db2)``: the first three like their inputs, ``dg2`` FP32 like
+    ``g``, ``db2`` FP32 ``[NK, *beta.shape]`` (one share per key block, summed after the launch)."""
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k_precond),
+            torch.empty_like(g, dtype=torch.float), beta.new_empty(NK, *beta.shape, dtype=torch.float))
+
+
 def chunk_asym_bwd_intra(
     q: torch.Tensor, k: torch.Tensor, k_precond: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     dAqk: torch.Tensor, dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dk_precond: torch.Tensor,
@@ -185,9 +193,7 @@ def chunk_asym_bwd_intra(
     B, T, H, K = k.shape
     BT, BC = chunk_size, 16
     BK, NK, NT = launch_sizes(K, T, chunk_size, block_k, cu_seqlens, chunk_indices)
-    dq2, dk2, dkp2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k_precond)
-    dg2 = torch.empty_like(g, dtype=torch.float)
-    db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
+    dq2, dk2, dkp2, dg2, db2 = new_outputs(q, k, k_precond, g, beta, NK)
     _intra_bwd_kernel[(NK, NT, B * H)](
         q, k, k_precond, g, beta, dAqk, dAkk, dq, dk, dk_precond, dg, dq2, dk2, dkp2, dg2, db2, cu_seqlens,
         chunk_indices, T, B * T, H=H, K=K, BT=BT, BC=BC, BK=BK, SHIFT=2.0 * RCP_LN2, IS_VARLEN=cu_seqlens is not None,

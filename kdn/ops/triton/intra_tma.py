@@ -29,7 +29,7 @@ from fla.utils import autotune_cache_kwargs
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kdn.ops.triton.intra import launch_sizes
+from kdn.ops.triton.intra import launch_sizes, new_outputs
 
 
 @triton.jit
@@ -195,8 +195,7 @@ def chunk_asym_bwd_intra_tma(
     B, T, H, K = k.shape
     BT, BC = chunk_size, 16
     BK, NK, NT = launch_sizes(K, T, chunk_size, block_k, cu_seqlens, chunk_indices)
-    dq2, dk2, dkp2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k_precond)
-    dg2 = torch.empty_like(g, dtype=torch.float)
+    dq2, dk2, dkp2, dg2, db2 = new_outputs(q, k, k_precond, g, beta, NK)
     tiles = (q, k, k_precond, g, dq, dk, dk_precond, dg, dq2, dk2, dkp2, dg2)
     bad = sorted({str(t.dtype).removeprefix("torch.") for t in tiles if K * t.element_size() % 16})
     if bad:
@@ -207,7 +206,6 @@ def chunk_asym_bwd_intra_tma(
     if cu_seqlens is not None and not triton.knobs.runtime.interpret \
             and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)  # the partial chunks' in-kernel descriptors
-    db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
     t_desc = [_desc(x, BT, BK) for x in tiles]
     s_desc = [_desc(x, BC, BK) for x in (q, k, k_precond, g)]
     a_desc = [_desc(dAqk, BT, BC), _desc(dAkk, BT, BC), _desc(dAqk, BC, BT), _desc(dAkk, BC, BT)]
