@@ -62,3 +62,26 @@ def test_sbatch_requeues_on_75_and_on_a_task_killed_by_a_preemption_signal(tmp_p
     assert _sbatch(tmp_path / "c", "kill -USR1 $$") == (138, "requeue 4242\n")
     assert _sbatch(tmp_path / "d", "exit 0") == (0, "")
     assert _sbatch(tmp_path / "e", "exit 1") == (1, "")  # a failure is not requeued
+
+
+_INTERCEPTING_IMPORT = """
+import os, signal, sys
+from trainer.preemption import exit_on_signals
+exit_on_signals()
+try:  # a third-party import that turns whatever it meets into its own error, as numpy's does when half-built
+    os.kill(os.getpid(), signal.{sig})
+    for _ in range(10_000_000):
+        pass
+except BaseException as err:
+    raise AttributeError("partially initialised module") from err
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+def test_a_start_up_signal_exits_75_even_inside_code_that_intercepts_exceptions(sig: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _INTERCEPTING_IMPORT.format(sig=sig)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=timeout_s(30))
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"{sig} during start-up: exiting 75 for a requeue"]

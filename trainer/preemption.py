@@ -8,6 +8,7 @@ preemption. After the checkpoint, ``handoff`` calls the handler that was install
 """
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Sequence
 from types import FrameType, TracebackType
@@ -66,9 +67,15 @@ class Preemption:
 def exit_on_signals(signals: Sequence[str] = ("SIGUSR1", "SIGUSR2", "SIGTERM")) -> None:
     """Make each of ``signals`` exit at once with ``REQUEUE_EXIT_CODE`` until a ``Preemption`` takes over (and
     again after it restores them). For a launcher script's start-up, before its heavy imports: there is nothing
-    to save yet, and a requeue resumes from the run directory."""
+    to save yet, and a requeue resumes from the run directory.
+
+    The handler ends the process with ``os._exit`` rather than raising ``SystemExit``: a signal lands wherever the
+    interpreter is, often inside a third-party import, whose half-initialised modules and ``except`` clauses can
+    turn a raised exit into an ``AttributeError`` or ``RecursionError`` and exit code 1, which is not requeued."""
     def _exit(signum: int, frame: FrameType | None) -> NoReturn:
-        raise SystemExit(REQUEUE_EXIT_CODE)
+        os.write(2, f"{signal.Signals(signum).name} during start-up: exiting {REQUEUE_EXIT_CODE} for a "
+                    "requeue\n".encode())
+        os._exit(REQUEUE_EXIT_CODE)
 
     for name in signals:
         signal.signal(parse_signal(name), _exit)
