@@ -68,3 +68,20 @@ def test_curves_of_an_earlier_invocation_are_removed_when_no_run_has_training_re
     main([str(untrained), "--out", str(out)])
     assert not (out / "loss_curves.png").exists(), "curves of other runs left beside the fresh tables"
     assert "no run has training records" in capsys.readouterr().err
+
+
+def test_an_earlier_folders_mqar_table_is_removed_when_the_new_folder_has_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    write_run(runs, "a", lm=lm_values(18.9, 50.0))
+    out.mkdir()
+    for ext in EXTENSIONS:  # what an invocation on another folder, which had an mqar.json, wrote
+        (out / f"mqar_recall.{ext}").write_text("kda 61.2\n")
+    assert main([str(runs), "--out", str(out)]) == 0
+    assert files_of(out, "mqar_recall") == []
+    line = (f"mqar_recall: not written: no mqar.json under {runs} (give --mqar FILE); the earlier mqar_recall.* in "
+            f"{out} are removed")
+    assert line in capsys.readouterr().err.splitlines()
+    assert line in (out / "missing.txt").read_text().splitlines()
+    assert main([str(runs), "--out", str(out)]) == 0  # nothing left to remove: no claim that anything was
+    assert "mqar_recall" not in capsys.readouterr().err
