@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(out / "missing.txt", "".join(m + "\n" for m in missing))
             raise SystemExit(f"eval.tables: {MQAR_ID}: {reason}{removed_note(out, MQAR_ID)}") from None
         missing += emit(table, MQAR_ID, out)
-    elif MQAR_ID in ids and remove_table(out, MQAR_ID):  # an earlier folder's table would read as this one's
+    elif MQAR_ID in ids and args.runs_dir is not None and remove_table(out, MQAR_ID):  # else read as this one's
         missing.append(f"{MQAR_ID}: not written: no mqar.json under {args.runs_dir} (give --mqar FILE); the "
                        f"earlier {MQAR_ID}.* in {out} are removed")
         say(missing[-1])
