@@ -16,6 +16,7 @@ from eval.tables import TABLES, SettingsMismatch, build_table, csv_text, find_ru
 from eval.tables.__main__ import main
 from eval.tables.figures import loss_curves, throughput_figure
 from eval.tables.specs import RETRIEVAL_TASKS, RULER_CELLS
+from eval.tasks import VERSIONS
 from models.sizes import GDN2_AUTHORS_LAYOUT
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torn last line")
@@ -59,7 +60,7 @@ def write_run(root: Path, name: str, *, size: str = "750m", mixer: str = "kda", 
     if retrieval is not None:
         suite("retrieval", {t: {"score": s, "n": 50} for t, s in retrieval.items()}, {},
               {**base_settings, "truncation": "jrt", "context_tokens": 2048, "limit": None, "max_new_tokens": 48,
-               **(retrieval_settings or {})})
+               "tasks": dict(VERSIONS), **(retrieval_settings or {})})
     if metrics is not None:
         (run / "metrics.jsonl").write_text("\n".join(metrics))
     return run

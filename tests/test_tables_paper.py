@@ -37,11 +37,17 @@ RETRIEVAL_MARK = "not the paper's retrieval settings"
 APART = "The paper's published numbers"
 
 
-def ruler_runs(root: Path, settings: dict[str, Any]) -> list:
-    """750M KDA (seeds 0, 1) and Diagonal KDN (seed 0) with every RULER cell, evaluated with ``settings``."""
+def ruler_runs(root: Path, settings: dict[str, Any], drop: str | None = None) -> list:
+    """750M KDA (seeds 0, 1) and Diagonal KDN (seed 0) with every RULER cell, evaluated with ``settings``; ``drop``:
+    a settings key left out."""
     for name, mixer, seed, base in (("kda_s0", "kda", 0, 40.0), ("kda_s1", "kda", 1, 42.0),
                                     ("diag_s0", "kdn_diag", 0, 60.0)):
-        write_run(root, name, mixer=mixer, seed=seed, ruler=ruler_values(base), ruler_settings=settings)
+        run = write_run(root, name, mixer=mixer, seed=seed, ruler=ruler_values(base), ruler_settings=settings)
+        if drop is not None:
+            path = run / "eval" / "ruler.json"
+            body = json.loads(path.read_text())
+            del body["settings"][drop]
+            path.write_text(json.dumps(body))
     return find_runs(root)
 
 
@@ -125,14 +131,17 @@ def test_table2_off_the_essays_is_marked_and_kept_apart_in_every_format(tmp_path
     assert all(r.note == RULER_MARK for r in plain.groups[0].rows if r.kind == "ours" and any(r.cells.values()))
 
 
-@pytest.mark.parametrize("change", [{"samples_per_cell": 4}, {"max_new_tokens": 32}, "samples_per_cell",
-                                    "max_new_tokens"],
-                         ids=["samples", "new_tokens", "samples_unrecorded", "new_tokens_unrecorded"])
-def test_table2_off_the_papers_samples_or_new_tokens_is_kept_apart(tmp_path: Path, change: Any) -> None:
-    """On the essays, a run of the quick preset's 4 samples a cell or 32 new tokens is not the paper's protocol."""
-    settings = {**PAPER_RULER, **change} if isinstance(change, dict) else \
-        {k: v for k, v in PAPER_RULER.items() if k != change}
-    table = build_table(TABLES["table2"], ruler_runs(tmp_path, settings), paper=True)
+@pytest.mark.parametrize("change", [{"samples_per_cell": 4}, {"max_new_tokens": 32}, {"seed": 1},
+                                    {"cells": ["niah_single_1@1024", "niah_single_2@1024"]}, "samples_per_cell",
+                                    "max_new_tokens", "seed", "cells"],
+                         ids=["samples", "new_tokens", "seed", "cells", "samples_unrecorded", "new_tokens_unrecorded",
+                              "seed_unrecorded", "cells_unrecorded"])
+def test_table2_off_the_papers_samples_seed_cells_or_new_tokens_is_kept_apart(tmp_path: Path, change: Any) -> None:
+    """On the essays, a run of the quick preset's 4 samples a cell, another seed, a part of the paper's grid or 32 new
+    tokens is not the paper's protocol."""
+    settings = {**PAPER_RULER, **change} if isinstance(change, dict) else PAPER_RULER
+    table = build_table(TABLES["table2"], ruler_runs(tmp_path, settings, drop=None if isinstance(change, dict) else
+                                                     change), paper=True)
     assert_kept_apart(table, RULER_MARK)
     key = change if isinstance(change, str) else next(iter(change))
     assert any(key in n and "RULER ran on" not in n for n in table.notes), table.notes
@@ -148,17 +157,18 @@ def test_table2_with_the_paper_protocol_is_placed_beside_the_paper(tmp_path: Pat
 
 @pytest.mark.parametrize("change", [{"truncation": "answer_window"}, {"context_tokens": PAPER_CONTEXT_TOKENS + 48},
                                     {"limit": 50}, {"max_new_tokens": 32}, {"tasks": {**VERSIONS, "swde": 1.0}},
-                                    "truncation", "context_tokens", "limit", "max_new_tokens"],
+                                    "truncation", "context_tokens", "limit", "max_new_tokens", "tasks"],
                          ids=["truncation", "context_tokens", "limit", "new_tokens", "older_swde",
                               "truncation_unrecorded", "context_unrecorded", "limit_unrecorded",
-                              "new_tokens_unrecorded"])
+                              "new_tokens_unrecorded", "versions_unrecorded"])
 def test_table3_off_the_paper_protocol_is_marked_and_kept_apart(tmp_path: Path, change: Any) -> None:
     runs = retrieval_runs(tmp_path, {**PAPER_RETRIEVAL, **change} if isinstance(change, dict) else PAPER_RETRIEVAL,
                           drop=change if isinstance(change, str) else None)
     table = build_table(TABLES["table3"], runs, paper=True)
     assert_kept_apart(table, RETRIEVAL_MARK)
     key = change if isinstance(change, str) else next(iter(change))
-    want = "swde at definition version 1.0 (the current one: 2.0)" if key == "tasks" else key
+    want = {"tasks": "swde at definition version 1.0 (the current one: 2.0)"}.get(key, key) \
+        if isinstance(change, dict) else {"tasks": "task definition versions unrecorded"}.get(key, key)
     assert any(want in n for n in table.notes), table.notes
 
 

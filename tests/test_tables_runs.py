@@ -61,7 +61,7 @@ def test_the_demo_run_and_every_evaluated_run_are_tabulated(tmp_path: Path, demo
     demo_md = next(ln for ln in md.splitlines() if ln.startswith(f"| {DEMO} |"))
     assert "| kdn_diag mu=dk noise=learned alpha_param=kda | small (20.10M params) | recurrent |" in demo_md
     assert f"| 122.88K | none | — | — | {mean} |" in demo_md
-    assert "ruler: kjv haystack (not the paper's), 20/cell, seed 0" in demo_md
+    assert "ruler: kjv haystack sha256 cd34 (not the paper's), 20/cell, seed 0" in demo_md
     assert "| diag750 |" in md and "| table1, table2, table4 |" in md and "mu1_small" not in md
     rows = {r[0]: dict(zip(COLUMNS, r)) for r in csv.reader(io.StringIO((out / "your_runs.csv").read_text()))}
     assert rows[DEMO]["RULER"] == mean and rows[DEMO]["Paper tables"] == "none" and set(rows) == {

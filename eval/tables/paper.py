@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from eval.tables.specs import RULER_CELLS
 from eval.tasks.utils import VERSIONS
 
 PaperRows = dict[str, dict[str, float]]
@@ -64,15 +65,16 @@ MU_INTERVENTION = {"1": 0.886, "sqrt": 0.873, "dk": 0.862, "4dk": 0.857}
 
 # The protocol behind the paper's numbers (docs/protocol.md §9): our results sit beside them only when they followed
 # it, every setting below recorded in the results with the paper's value (an unrecorded one is not the paper's).
-# Table 1, 4, 5: lm-eval's full task sets, zero-shot. Table 2: 500 samples a cell, 128 new tokens, RULER's essays
-# identified by content or by the hub dataset's name (results record ``haystack.paper`` and ``haystack.check``).
+# Table 1, 4, 5: lm-eval's full task sets, zero-shot. Table 2: its 14 cells, 500 samples each at the protocol's seed
+# 0, 128 new tokens, RULER's essays identified by content or by the hub dataset's name (results record
+# ``haystack.paper`` and ``haystack.check``).
 # Table 3: the JRT fork's windows in its 2,048-token window (NQ's 2,000-token cut is derived from it,
 # eval/tasks/utils.py), 48 new tokens, every document, each task at its current definition version.
 PAPER_TRUNCATION = "jrt"
 PAPER_CONTEXT_TOKENS = 2048
 PAPER_SETTINGS: dict[str, dict[str, Any]] = {
     "lm": {"limit": None, "num_fewshot": 0},
-    "ruler": {"samples_per_cell": 500, "max_new_tokens": 128},
+    "ruler": {"samples_per_cell": 500, "max_new_tokens": 128, "seed": 0, "cells": sorted(RULER_CELLS)},
     "retrieval": {"truncation": PAPER_TRUNCATION, "context_tokens": PAPER_CONTEXT_TOKENS, "limit": None,
                   "max_new_tokens": 48},
 }
@@ -96,11 +98,18 @@ def paper_protocol_gap(suite: str, settings: dict[str, Any]) -> str | None:
     with the paper's numbers, or ``None`` when they are (or the paper prescribes nothing for that suite)."""
     if suite not in PAPER_SETTINGS:
         return None
+    def recorded(key: str) -> Any:  # a list setting (RULER's cells) agrees in any order
+        value = settings[key]
+        return sorted(value) if isinstance(value, list) else value
+
     off = [f"{key} unrecorded (the paper's: {want!r})" if key not in settings else
            f"{key}={settings[key]!r} (the paper's: {want!r})"
-           for key, want in PAPER_SETTINGS[suite].items() if key not in settings or settings[key] != want]
+           for key, want in PAPER_SETTINGS[suite].items() if key not in settings or recorded(key) != want]
     if suite == "retrieval":
         tasks = settings.get("tasks") or {}
+        if not tasks:
+            off.append("task definition versions unrecorded (the current ones: "
+                       f"{', '.join(f'{t} {v}' for t, v in sorted(VERSIONS.items()))})")
         off += [f"{t} at definition version {v!r} (the current one: {VERSIONS[t]!r})"
                 for t, v in sorted(tasks.items()) if t in VERSIONS and v != VERSIONS[t]]
     gaps = [_haystack_gap(settings)] if suite == "ruler" else []

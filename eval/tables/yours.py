@@ -102,8 +102,9 @@ def scores(run: Run) -> list[str]:
 
 
 def settings_text(run: Run) -> str:
-    """The evaluation settings that decide comparability, per suite the run has: ``ruler: kjv haystack (not the
-    paper's), 20/cell, seed 0; retrieval: truncation jrt, 2048 tokens (the paper's)``."""
+    """The evaluation settings that decide comparability, per suite the run has: ``ruler: kjv haystack sha256
+    cd34... (not the paper's), 20/cell, seed 0; retrieval: truncation jrt, 2048 tokens (the paper's)``. Two RULER
+    results share prompts only where their haystack digests agree, so the digest is part of the text."""
     parts = []
     for suite in sorted(run.results):
         s = run.results[suite].get("settings") or {}
@@ -112,7 +113,8 @@ def settings_text(run: Run) -> str:
             " (not the paper's)" if paper_protocol_gap(suite, s) else " (the paper's)"
         if suite == "ruler":
             hay = s.get("haystack") or {}
-            parts.append(f"ruler: {hay.get('name') or hay.get('source') or 'unrecorded'} haystack{paper}, "
+            digest = f" sha256 {hay['sha256'][:12]}" if hay.get("sha256") else " of unrecorded sha256"
+            parts.append(f"ruler: {hay.get('name') or hay.get('source') or 'unrecorded'} haystack{digest}{paper}, "
                          f"{s.get('samples_per_cell', '?')}/cell, seed {s.get('seed', '?')}")
         elif suite == "retrieval":
             parts.append(f"retrieval: truncation {s.get('truncation') or 'unrecorded'}, "
