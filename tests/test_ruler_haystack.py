@@ -205,3 +205,10 @@ def test_the_essays_are_accepted_in_either_of_rulers_orders_and_a_refusal_says_w
         assert [str(w.message) for w in caught] == [
             f"{named} has the name of RULER's essays file but not its text ({found}): it is recorded as an ordinary "
             "file, not the paper's haystack; download it again with RULER's script"]
+
+
+def test_a_haystack_directory_is_refused_as_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(HaystackUnavailable) as refusal:
+        load_haystack(str(tmp_path))
+    assert str(refusal.value) == (f"haystack {tmp_path} is a directory, not a file; give the file itself (e.g. "
+                                  f"ruler.haystack={tmp_path / 'PaulGrahamEssays.json'}) or ruler.haystack=kjv")

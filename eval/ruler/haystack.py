@@ -222,6 +222,9 @@ def _file(path: str) -> Haystack:
     """A `.json` file in RULER's layout (`{"text": ...}`) or a plain UTF-8 text file; RULER's essays are
     recognised by their text (`ruler_essays_check`), not by the file's name."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise HaystackUnavailable(f"haystack {path} is a directory, not a file; give the file itself (e.g. "
+                                  f"ruler.haystack={p / ESSAYS_FILE}) or ruler.haystack=kjv")
     if not p.is_file():
         raise HaystackUnavailable(f"haystack file {path} does not exist; " + _FIXES)
     raw = p.read_bytes()
