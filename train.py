@@ -399,17 +399,22 @@ def main(dict_cfg: DictConfig) -> None:
     dict_cfg.run_dir = str(run_dir)
     try:
         train(load_config(dict_cfg), hydra_files)
-    except (ConfigError, RunDirError, CheckpointError) as e:  # one line each, and no directory left for nothing
-        discard_unused_run_dir(run_dir)
-        if isinstance(e, ConfigError):  # bad values, an impossible batch split, a missing device
-            print(f"config error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        if isinstance(e, RunDirError):  # another experiment, earlier training, or a live process holds it
-            print(f"run error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        print(f"checkpoint error: {e}", file=sys.stderr)  # a full disk, every checkpoint damaged, a refused file
-        raise SystemExit(1) from None
+    except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, NonFiniteWeightsError) as e:
+        line, code = refusal(e)
+        if isinstance(e, (ConfigError, RunDirError, CheckpointError)):  # no directory left for nothing
+            discard_unused_run_dir(run_dir)
+        print(line, file=sys.stderr)
+        raise SystemExit(code) from None
 
+
+def refusal(err: Exception) -> tuple[str, int]:
+    """The one line on stderr and the exit code of an error that ends ``train.py``: bad values, an impossible batch
+    split or a missing device (config, 2); another experiment, earlier training or a live process in the run
+    directory (run, 2); a full disk, every checkpoint damaged or a refused file (checkpoint, 1); a NaN/Inf loss,
+    gradient or weight, the last good checkpoint kept (training, 1)."""
+    kind, code = (("config", 2) if isinstance(err, ConfigError) else ("run", 2) if isinstance(err, RunDirError)
+                  else ("checkpoint", 1) if isinstance(err, CheckpointError) else ("training", 1))
+    return f"{kind} error: {' '.join(str(err).split())}", code
 
 if __name__ == "__main__":
     try:  # a typo in a plain override gets the schema's did-you-mean (Hydra's own message names no key to use)

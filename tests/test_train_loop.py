@@ -99,6 +99,30 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, shards: li
     assert ckpts and all(name.startswith("step_") for name in ckpts)  # no half-written directory
     assert str(run / "checkpoints" / ckpts[-1]) in str(err.value)
     assert all(t.isfinite().all() for t in weights(run / "checkpoints" / ckpts[-1]).values())
+    from train import refusal
+
+    line, code = refusal(err.value)
+    assert code == 1 and line == f"training error: {err.value}" and "\n" not in line
+
+
+@pytest.mark.parametrize("error", ["NonFiniteLossError", "NonFiniteWeightsError"])
+def test_train_py_ends_a_non_finite_run_in_one_line_and_exit_1(tmp_path: Path, error: str,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import train
+
+    def diverge(cfg: object, hydra_files: object = None) -> None:
+        raise getattr(train, error)("non-finite training loss at step 3 (loss=nan);\nlast good checkpoint: x")
+
+    monkeypatch.setattr(train, "train", diverge)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config-path", str(ROOT / "conf"), *TOY,
+                                      f"run_dir={tmp_path / 'run'}", "hydra/job_logging=none",
+                                      "hydra/hydra_logging=none"])
+    with pytest.raises(SystemExit) as stop:
+        train.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "training error: non-finite training loss at step 3 (loss=nan); last good checkpoint: x"]
 
 
 def test_a_finite_loss_with_an_infinite_grad_norm_is_not_applied(tmp_path: Path, shards: list[str],
