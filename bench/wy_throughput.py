@@ -1,7 +1,8 @@
 """The inter-chunk + WY backward of the Diagonal KDN memory on CUDA: fla's ``chunk_precond_kda_bwd_wy_dqkg``
 against ours (``kdn.ops.triton.wy.chunk_asym_bwd_wy_dqkg``) with its key-block kernel in Triton and, on sm_90, in
 TileLang (``kdn.ops.tilelang.wy``), at the shape of a training step's layer; then the key-block kernel alone, Triton's
-against TileLang's at each ``--tiles`` setting (``BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED``).
+against TileLang's at each ``--tiles`` setting (``BLOCK_K,BLOCK_V,THREADS,STAGES,WARP_SPECIALIZED``); then, on sm_90,
+fla's fused WY backward of KDA's rule in Triton and in its TileLang backend (``fla_kda_wy_dqkg_fused``).
 
 Inputs as the backward sees them: bf16 ``q, k, k_precond, v, v_new, do, dv``, the chunk states and their gradients
 ``h, dh``, the WY inverse ``A`` and ``beta`` (bf16, the dtype of k as fla's forward makes ``A``: fla's kernel
@@ -123,6 +124,40 @@ def _key_block_rows(x: dict[str, Tensor], scale: float, tiles: list[str], timed:
     return rows
 
 
+KDA_NAMES = ("dq", "dk", "dv2", "db", "dg", "dA")
+
+
+def _fla_kda_rows(x: dict[str, Tensor], scale: float) -> list[dict]:
+    """fla 0.6.0's fused WY backward of KDA's rule (``chunk_kda_bwd_wy_dqkg_fused``: no preconditioned key, so one
+    input and one output fewer than ours), its Triton kernel against its TileLang backend, at the same shape: the
+    role our ``chunk_asym_bwd_wy_dqkg`` plays for KDN. The Triton arm is the function fla's backend dispatch falls
+    back to, reached through its ``__wrapped__`` chain, so that no environment switch picks it."""
+    import inspect
+
+    from fla.ops.kda.backends.tilelang.chunk_bwd_dqkg import chunk_kda_bwd_wy_dqkg_fused_tilelang
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+    from triton.testing import do_bench
+
+    args = {n: x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")}
+    fns = {"fla chunk_kda_bwd_wy_dqkg_fused, Triton": inspect.unwrap(chunk_kda_bwd_wy_dqkg_fused),
+           "fla chunk_kda_bwd_wy_dqkg_fused, TileLang": chunk_kda_bwd_wy_dqkg_fused_tilelang}
+    rows, outs = [], {}
+    for name, fn in fns.items():
+        try:
+            outs[name] = fn(**args, scale=scale, chunk_size=BT)
+        except Exception as e:  # a backend that cannot run here is a row of the table, not the end of the run
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+            continue
+        rows.append({"kernel": name, "ms": do_bench(lambda fn=fn: fn(**args, scale=scale, chunk_size=BT))})
+    if len(outs) == 2:
+        ref, got = outs.values()
+        rows[1]["relative_difference_vs_triton"] = {
+            n: ((o.double() - r.double()).norm() / r.double().norm()).item() for n, o, r in zip(KDA_NAMES, got, ref)}
+    for r in rows:
+        print(f"{r['kernel']:<40} " + (f"{r['ms']:8.3f}" if "ms" in r else r["error"][-120:]))
+    return rows
+
+
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     """The layer shape of a training step's recurrence: ``--batch --seqlen --heads --key-dim``."""
     ap.add_argument("--batch", type=int, default=8)
@@ -186,9 +221,11 @@ def main() -> None:
     for name, d in diff.items():
         print(f"relative difference against fla, {name}:", {n: f"{v:.1e}" for n, v in d.items()})
     key_blocks = _key_block_rows(x, scale, a.tiles) if hopper else []
+    fla_kda = _fla_kda_rows(x, scale) if hopper else []
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": {"B": a.batch, "T": a.seqlen, "H": a.heads, "K": a.key_dim, "V": a.value_dim, "BT": BT},
-              "results": rows, "configs": configs, "relative_difference_vs_fla": diff, "key_block_kernel": key_blocks}
+              "results": rows, "configs": configs, "relative_difference_vs_fla": diff, "key_block_kernel": key_blocks,
+              "fla_kda_wy_dqkg_fused": fla_kda}
     write_atomic(Path(a.out), json.dumps(result, indent=1))
 
 
