@@ -84,7 +84,7 @@ def _asym_intra_fwd(
 def _asym_intra_bwd(
     q: Tensor, k: Tensor, kappa: Tensor, gc: Tensor, beta: Tensor, dAqk: Tensor, dAkk: Tensor, dq: Tensor,
     dk: Tensor, dkg: Tensor, db: Tensor, dg: Tensor, safe: bool, seqs: dict[str, Tensor | None], precise: bool,
-    dg_chunk_sums: bool = True,
+    dg_chunk_sums: bool = True, kernel: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The asymmetric intra-chunk backward, which adds the intra-chunk terms to ``dq, dk, dkg`` (those of
     ``q, k, kappa``), ``db`` and the per-token ``dg``, then takes ``dg``'s reverse cumulative sum within each chunk
@@ -96,8 +96,8 @@ def _asym_intra_bwd(
     Inside fla's safe envelope, ours (one program a chunk, the sum fused): its tiles through tensor descriptors
     where the GPU and the tensors allow (:mod:`kdn.ops.triton.intra_tma`), else through pointers
     (:mod:`kdn.ops.triton.intra`); outside it, fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for
-    any gate. ``KDN_INTRA_KERNEL`` (:func:`intra_kernel`) can force any of the three."""
-    kernel = intra_kernel(safe, (q, k, kappa, gc, dAqk, dAkk, dq, dk, dkg, dg))
+    any gate. ``kernel`` (:func:`intra_kernel`; None reads ``KDN_INTRA_KERNEL``) can force any of the three."""
+    kernel = intra_kernel(safe, (q, k, kappa, gc, dAqk, dAkk, dq, dk, dkg, dg), kernel)
     if kernel != "fla":
         fn = chunk_asym_bwd_intra_tma if kernel == "tma" else chunk_asym_bwd_intra
         return _precise(fn, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
