@@ -92,6 +92,7 @@ def test_cached_weight_casts_are_scoped_to_their_context() -> None:
 
     gen = torch.Generator().manual_seed(7)
     x, ws, b = _operands("cpu", True, gen)
+    ws, b = [w.clone().requires_grad_() for w in ws], b.clone().requires_grad_()
 
     def stacked() -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
