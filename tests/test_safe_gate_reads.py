@@ -41,6 +41,7 @@ def test_reads_are_counted_in_the_scopes_around_them() -> None:
 
 
 def test_the_profiler_reports_the_reads_of_its_steps(tmp_path: Path) -> None:
+    from kdn.ops.triton.safe_gate import _READS
     from trainer.profiling import StepProfiler
 
     prof = StepProfiler(tmp_path, start=1, steps=2, enabled=True, device=torch.device("cpu"))
@@ -49,6 +50,7 @@ def test_the_profiler_reports_the_reads_of_its_steps(tmp_path: Path) -> None:
         prof.step_begins(step)
         _read(step % 2 == 0, step + 1)
         prof.step_ends(step + 1)
+    assert _READS.get() == ()  # its scope closed with the window
     _read(False, 6)  # after it
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == [2, 3] and summary["safe_gate_reads"] == {"tensor_core": 3, "token_loop": 2}
