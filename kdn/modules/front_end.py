@@ -61,7 +61,7 @@ def l2_normalize(x: Tensor, fused: bool = True) -> Tensor:
     """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype (fla's kernel on
     CUDA when ``fused``, by :func:`by_rows`)."""
     if fla_fused(x, fused):
-        from fla.modules.norm.l2norm import l2norm
+        from kdn.ops.fla_internals import l2norm
 
         return by_rows(lambda t: l2norm(t, eps=L2_EPS), x)
     return F.normalize(upcast(x), dim=-1).to(x.dtype)
@@ -118,7 +118,7 @@ class ShortConv(nn.Conv1d):
         B, T, D = x.shape
         W = self.kernel_size[0]
         if cache is None and fla_fused(x, self.fused):
-            from fla.modules.causal_conv1d import causal_conv1d
+            from kdn.ops.fla_internals import causal_conv1d
 
             y, _ = causal_conv1d(x, self.weight[:, 0, :].to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
             new_cache = None
@@ -159,7 +159,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if fla_fused(x, self.fused):
-            from fla.modules.norm.layernorm import rms_norm
+            from kdn.ops.fla_internals import rms_norm
 
             return rms_norm(x, self.weight, None, eps=self.eps)
         return self.normed(x).to(x.dtype)
@@ -192,7 +192,7 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
         if fla_fused(x, self.fused):
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from kdn.ops.fla_internals import rms_norm_gated
 
             return by_rows(lambda a, b: rms_norm_gated(a, b, self.weight, None, activation=self.activation,
                                                        eps=self.eps), x, gate)
