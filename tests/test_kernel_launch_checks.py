@@ -1,8 +1,11 @@
 """The CUDA kernels' launch choices and checks, on the CPU (no kernel runs): an explicit ``kernel`` argument wins over
 the environment overrides (``KDN_WY_KERNEL``, ``KDN_INTRA_KERNEL``), and the descriptor intra-chunk backward refuses,
 in one line naming it, any tensor it loads through a descriptor that is not aligned for one, ``dAqk`` and ``dAkk``
-included."""
+included; and no benchmark picks a kernel by writing those variables (they pass ``kernel=``)."""
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +86,18 @@ def test_the_descriptor_backward_checks_every_tensor_it_loads(name: str, make: o
                        ) as e:
         chunk_asym_bwd_intra_tma(**x)
     assert "\n" not in str(e.value)
+
+
+def test_no_benchmark_writes_a_kernel_override() -> None:
+    """``os.environ[...] = ``, ``os.environ.update/setdefault(...)`` or ``os.putenv`` naming a ``KDN_*_KERNEL``."""
+    root = Path(__file__).resolve().parents[1]
+    writes = []
+    for path in sorted(root.glob("bench/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Assign, ast.Call)) and "os.environ" in ast.unparse(node) \
+                    or isinstance(node, ast.Call) and "putenv" in ast.unparse(node.func):
+                text = ast.unparse(node)
+                if "_KERNEL" in text and (isinstance(node, ast.Assign) or any(
+                        w in ast.unparse(node.func) for w in ("update", "setdefault", "putenv"))):
+                    writes.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
+    assert not writes, f"benchmarks choose kernels through the environment, pass kernel= instead: {writes}"
