@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def _fla(x: dict[str, Tensor]) -> tuple[Tensor, ...]:
 
     return _asym_intra_bwd(x["q"], x["k"], x["k_precond"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"],
                            x["dk_precond"], x["db"], x["dg"], True, {"cu_seqlens": None, "chunk_indices": None},
-                           False)
+                           False, kernel="fla")
 
 
 def main() -> None:
@@ -71,7 +70,6 @@ def main() -> None:
     from kdn.ops.triton.intra import _intra_bwd_kernel, chunk_asym_bwd_intra
     from kdn.ops.triton.intra_tma import _intra_bwd_tma_kernel, chunk_asym_bwd_intra_tma
 
-    os.environ["KDN_INTRA_KERNEL"] = "fla"  # _fla's path; ours is called directly
     torch.manual_seed(0)
     x = _inputs(a.batch, a.seqlen, a.heads, a.key_dim)
     fns = {"fla chunk_precond_kda_bwd_intra (+ dg chunk sums)": lambda: _fla(x)}

@@ -374,6 +374,18 @@ def test_long_contexts_wrap_the_sliding_ring_at_the_window() -> None:
     assert int(decoder.cache.layers[1]["cursor"]) == 290 + 19  # past the ring: slots 0..8 were written again
 
 
+def test_views_hold_the_prompt_and_the_new_tokens() -> None:
+    """250 + 20 positions cross 256: a view sized for the prompt alone (256) would wrap the new tokens inside it.
+    Both layers read 512 slots or their whole ring (the sliding one: 300), and the logits are the full forward's."""
+    model = _windowed_model()
+    seen = _views_seen(model)
+    ids, mask, rows = _prompts((250, 245), seed=3)
+    res = generate(model, ids, 20, attention_mask=mask, output_scores=True, cuda_graph=False)
+    _check_full_forward(model, res, rows, 250)
+    (decoder,) = decoders(model).decoders.values()
+    assert decoder.cache.views == {1: 300, 2: 512} and seen == {1: [300] * 19, 2: [512] * 19}
+
+
 def test_one_decoder_switches_views_as_fresh_decoders_decode() -> None:
     """Long, short, then long contexts on one decoder (its rings kept, its views switched) give the tokens and logits
     of fresh decoders."""

@@ -78,9 +78,38 @@ def test_cached_weight_casts_reuse_one_cast_and_keep_the_gradients() -> None:
 
     (g_plain, s_plain), (g_cached, s_cached) = grads(False), grads(True)
     assert s_cached[0] is s_cached[1] and s_plain[0] is not s_plain[1]
-    assert front_end._CAST_CACHE is None  # dropped on leaving
+    assert front_end._CAST_CACHE.get() is None  # dropped on leaving
     for a, c in zip(g_plain, g_cached):
         assert torch.equal(a, c)
+
+
+def test_cached_weight_casts_are_scoped_to_their_context() -> None:
+    """A nested scope casts afresh and, on leaving, gives the outer scope its casts back; another thread (a context
+    of its own) never reads a scope it is not in."""
+    import threading
+
+    from kdn.modules import front_end
+
+    gen = torch.Generator().manual_seed(7)
+    x, ws, b = _operands("cpu", True, gen)
+    ws, b = [w.clone().requires_grad_() for w in ws], b.clone().requires_grad_()
+
+    def stacked() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return linear(x, ws, b).grad_fn.saved_tensors[1]
+
+    with front_end.cached_weight_casts():
+        outer = stacked()
+        with front_end.cached_weight_casts():
+            inner = stacked()
+            assert inner is not outer and stacked() is inner
+        assert stacked() is outer
+        seen: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: seen.extend([stacked(), stacked()]))
+        worker.start()
+        worker.join()
+        assert seen[0] is not outer and seen[1] is not seen[0]  # outside any scope there: a cast per call
+        assert stacked() is outer
 
 
 def test_linear_without_autocast_is_f_linear() -> None:

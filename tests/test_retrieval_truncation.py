@@ -187,6 +187,16 @@ def test_tok_pos_centres_a_long_document_without_a_match() -> None:
     assert prompts("nq", [nq | {"context": " ".join(short)}]) == [span(short, 9, 20) + ". Where?"]
 
 
+def test_tok_pos_is_not_taken_when_the_prefix_is_exactly_the_window() -> None:
+    """A record with no match whose prefix (all but the last character) is exactly the window's width (NQ's 22
+    tokens: 22 words) keeps its tail, as a shorter one does; ``tok_pos`` takes over only past the width."""
+    ws = words(22)
+    nq = {"context": " ".join(ws), "question": "Where?", "answers": ["Bern"], "tok_pos": 5}
+    assert prompts("nq", [nq]) == [span(ws, 11, 22) + ". Where?"]  # centre token 22: start 11, not tok_pos's 0
+    longer = words(23)
+    assert prompts("nq", [nq | {"context": " ".join(longer)}]) == [span(longer, 0, 22) + ". Where?"]  # from the start
+
+
 @pytest.mark.parametrize("task", ["triviaqa", "drop"])
 def test_records_without_a_label_are_dropped(task: str) -> None:
     """An empty (or missing) answer list leaves nothing to score (the fork's scorer raises): the record is left

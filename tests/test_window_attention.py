@@ -1,7 +1,9 @@
 """Block-sparse attention (models.layers.window_attention) against the dense masks of the SDPA path, on the CPU.
 
 The blocks a :class:`BlockMask` lists are checked against the dense mask element by element (every visible pair in
-a listed block, every full block wholly visible, and for masks by index no listed block wholly hidden); the layer's
+a listed block, every full block wholly visible, and for masks by index no listed block wholly hidden), at the
+document and window edges where a block is full or not (a query block across two documents, a key block exactly
+``window`` behind), and the mask cache against a new batch's offsets that take a freed tensor's id; the layer's
 ``flex`` backend (flex_attention's unfused reference off CUDA) is compared in float64 with its ``sdpa`` backend for
 windows shorter than, equal to and longer than the sequence, documents inside and across windows, left and inner
 padding, and a cache continued across the window's edge. tests/test_window_attention_gpu.py runs the compiled
@@ -91,6 +93,31 @@ def test_index_blocks_cover_the_mask_exactly(Q: int, KV: int, window: int | None
     cu = None if offsets is None else torch.tensor(offsets)
     bm = index_block_mask(Q, KV, window, cu, torch.device("cpu"))
     check_blocks(bm, dense_index_mask(Q, KV, window, offsets)[None], exact=True)
+
+
+@pytest.mark.parametrize("Q,KV,window,offsets", [
+    (384, 384, None, [0, 200, 384]),  # query block 1 spans two documents; key block 0 lies wholly in the first
+    (384, 384, 300, [0, 200, 384]),  # the same inside a window
+    (512, 512, 255, None),  # key block n is exactly the window behind block n + 1's last query
+    (2048, 2048, 1023, None),  # ... 8 blocks behind
+    (4096, 4096, 2047, None),  # ... 16 blocks behind
+    (3072, 4096, 2047, [0, 1000, 4096]),  # the same after 1024 earlier keys, a document across the window's edge
+])
+def test_full_blocks_at_document_and_window_edges(Q: int, KV: int, window: int | None, offsets: list[int] | None
+                                                  ) -> None:
+    """A block is full (no mask applied) only when every pair in it is visible: not when its query block spans two
+    documents, nor when the key block's first key is exactly ``window`` behind the query block's last query (windows
+    of 127 mod 128 put that edge on a block boundary)."""
+    cu = None if offsets is None else torch.tensor(offsets)
+    bm = index_block_mask(Q, KV, window, cu, torch.device("cpu"))
+    allowed = dense_index_mask(Q, KV, window, offsets)[None]
+    check_blocks(bm, allowed, exact=True)
+    full = listed(bm, True)[0]
+    if window is not None and offsets is None:  # the block one further in is full: the edge is exact, not avoided
+        m = Q // BLOCK - 1  # the last query block; key block n starts exactly `window` behind its last query
+        n = (KV - Q + m * BLOCK + BLOCK - 1 - window) // BLOCK
+        assert n * BLOCK == KV - Q + m * BLOCK + BLOCK - 1 - window and not full[m, n]
+        assert n + 1 == (KV - Q) // BLOCK + m or full[m, n + 1]  # the next one is full unless it is the diagonal
 
 
 def padded_positions(valid: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -204,6 +231,26 @@ def test_masks_of_a_batch_are_built_once() -> None:
     assert block_mask_for(300, 300, 64, cu_seqlens=cu, device=torch.device("cpu")) is not a
     plain = block_mask_for(300, 300, 64, device=torch.device("cpu"))
     assert block_mask_for(300, 300, 64, device=torch.device("cpu")) is plain
+
+
+def test_a_new_batch_whose_offsets_reuse_a_freed_tensors_id_gets_its_own_mask(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    """CPython gives a new object the address (``id``) of a freed one; every tensor here shares one id, so the cache
+    can tell a new batch's ``cu_seqlens`` from the freed one's only by the tensor it holds a weak reference to."""
+    from models.layers import window_attention
+    from models.layers.window_attention import block_mask_for
+
+    monkeypatch.setattr(window_attention, "id", lambda obj: 12345, raising=False)
+    monkeypatch.setattr(window_attention, "_masks", type(window_attention._masks)())
+    dev = torch.device("cpu")
+    old = torch.tensor([0, 100, 300])
+    stale = block_mask_for(300, 300, 64, cu_seqlens=old, device=dev)
+    del old  # freed: a new batch may take its address
+    new = torch.tensor([0, 250, 300])  # same id, same version (0), other documents
+    mask = block_mask_for(300, 300, 64, cu_seqlens=new, device=dev)
+    assert mask is not stale
+    check_blocks(mask, dense_index_mask(300, 300, 64, [0, 250, 300])[None], exact=True)
+    assert block_mask_for(300, 300, 64, cu_seqlens=new, device=dev) is mask  # and is then reused for its layers
 
 
 def test_backend_is_checked() -> None:

@@ -7,6 +7,7 @@ is set (:class:`StepProfiler`, writing ``<run_dir>/profile/summary.json`` and a 
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import re
@@ -110,6 +111,7 @@ class StepProfiler:
         self._prof: profile | None = None
         self._t0 = 0.0
         self._gates: Counter[bool] = Counter()
+        self._scope = contextlib.ExitStack()  # the safe-gate reads of the profiled steps are counted inside
 
     @property
     def active(self) -> bool:
@@ -126,7 +128,7 @@ class StepProfiler:
             return
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._sync()
-        self._gates = Counter(_safe_gate_reads())
+        self._gates = self._scope.enter_context(_count_safe_gate_reads())
         self._prof = profile(activities=acts)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
@@ -140,8 +142,8 @@ class StepProfiler:
         wall_ms = (time.perf_counter() - self._t0) * 1e3
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        reads = Counter(_safe_gate_reads())
-        reads.subtract(self._gates)
+        self._scope.close()
+        reads = self._gates
         summary = {"steps": [self.start + 1, self.start + self.steps],
                    "safe_gate_reads": {"tensor_core": reads[True], "token_loop": reads[False]}}
         summary |= summarize(prof, wall_ms, self.steps, self.rows)
@@ -157,10 +159,11 @@ class StepProfiler:
         return path
 
 
-def _safe_gate_reads() -> Counter[bool]:
-    """``kdn.ops.triton.SAFE_GATE_READS`` when the CUDA backend is importable, else empty."""
+def _count_safe_gate_reads() -> contextlib.AbstractContextManager[Counter[bool]]:
+    """``kdn.ops.triton.count_safe_gate_reads()`` when the CUDA backend is importable, else a scope that counts
+    nothing (no check is made without it)."""
     try:
-        from kdn.ops.triton import SAFE_GATE_READS
+        from kdn.ops.triton import count_safe_gate_reads
     except ImportError:
-        return Counter()
-    return SAFE_GATE_READS
+        return contextlib.nullcontext(Counter())
+    return count_safe_gate_reads()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn as nn
@@ -60,7 +61,7 @@ def l2_normalize(x: Tensor, fused: bool = True) -> Tensor:
     """``x / ||x||`` over the last dimension, computed in at least FP32, returned in ``x``'s dtype (fla's kernel on
     CUDA when ``fused``, by :func:`by_rows`)."""
     if fla_fused(x, fused):
-        from fla.modules.norm.l2norm import l2norm
+        from kdn.ops.fla_internals import l2norm
 
         return by_rows(lambda t: l2norm(t, eps=L2_EPS), x)
     return F.normalize(upcast(x), dim=-1).to(x.dtype)
@@ -117,7 +118,7 @@ class ShortConv(nn.Conv1d):
         B, T, D = x.shape
         W = self.kernel_size[0]
         if cache is None and fla_fused(x, self.fused):
-            from fla.modules.causal_conv1d import causal_conv1d
+            from kdn.ops.fla_internals import causal_conv1d
 
             y, _ = causal_conv1d(x, self.weight[:, 0, :].to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
             new_cache = None
@@ -158,7 +159,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if fla_fused(x, self.fused):
-            from fla.modules.norm.layernorm import rms_norm
+            from kdn.ops.fla_internals import rms_norm
 
             return rms_norm(x, self.weight, None, eps=self.eps)
         return self.normed(x).to(x.dtype)
@@ -191,7 +192,7 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
         if fla_fused(x, self.fused):
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from kdn.ops.fla_internals import rms_norm_gated
 
             return by_rows(lambda a, b: rms_norm_gated(a, b, self.weight, None, activation=self.activation,
                                                        eps=self.eps), x, gate)
@@ -227,11 +228,12 @@ class _AutocastLinear(torch.autograd.Function):
                 *weights: Tensor) -> Tensor:
         dt = torch.get_autocast_dtype(x.device.type)
         key = (dt, pad, *(id(m) for m in weights))
-        w = _CAST_CACHE.get(key) if _CAST_CACHE is not None else None
+        casts = _CAST_CACHE.get()
+        w = casts.get(key) if casts is not None else None
         if w is None:
             w = _stack(weights, dt, pad)
-            if _CAST_CACHE is not None:
-                _CAST_CACHE[key] = w
+            if casts is not None:
+                casts[key] = w
         x = x.to(dt)
         ctx.save_for_backward(x, w)
         ctx.splits = [m.shape[0] for m in weights]
@@ -256,7 +258,9 @@ class _AutocastLinear(torch.autograd.Function):
         return dx, db, None, *dw[:n].split(ctx.splits)
 
 
-_CAST_CACHE: dict[tuple, Tensor] | None = None
+# The casts of the innermost cached_weight_casts() around the caller (None outside any): scoped to the context, so
+# that no thread or task sees another's casts, and left as it was on exit
+_CAST_CACHE: ContextVar[dict[tuple, Tensor] | None] = ContextVar("cast_cache", default=None)
 # The front end's joint projection is padded to a multiple of 8 columns (16 bytes of bf16): cuBLAS runs a GEMM whose
 # rows are not 16-byte aligned on Ampere's CUTLASS kernels ("align2") instead of Hopper's. With 18 heads (the 1.3B
 # models: 7,314 columns, the per-head r among them) each such GEMM took 2.1-2.3 ms on an H200, three per layer.
@@ -268,12 +272,11 @@ def cached_weight_casts() -> Iterator[None]:
     """Inside, :func:`linear` casts (and stacks) each set of FP32 weights to the autocast dtype once and reuses the
     result, instead of once per call: ``train.py`` wraps one optimiser step's micro-batches, which all read the same
     weights. The weights must not change inside (the optimiser steps outside); leaving drops the casts."""
-    global _CAST_CACHE
-    outer, _CAST_CACHE = _CAST_CACHE, {}
+    token = _CAST_CACHE.set({})
     try:
         yield
     finally:
-        _CAST_CACHE = outer
+        _CAST_CACHE.reset(token)
 
 
 def aligned_width(n: int, multiple: int) -> int:

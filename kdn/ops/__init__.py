@@ -4,7 +4,8 @@
 - :mod:`kdn.ops.naive`: token-by-token references; :mod:`kdn.ops.gain`, :mod:`kdn.ops.chunk`: the chunked PyTorch
   path; :mod:`kdn.ops.fused_recurrent`: the one-token Triton step;
 - :mod:`kdn.ops.gate`: KDA's gate; :mod:`kdn.ops.validate`, :mod:`kdn.ops.packing`: input checks, packed sequences;
-- :mod:`kdn.ops.triton`: the CUDA kernels (imported on first use, so that the package needs no Triton).
+- :mod:`kdn.ops.triton`: the CUDA kernels (imported on first use, so that the package needs no Triton);
+  :mod:`kdn.ops.fla_internals`: the one way into fla's private kernels and helpers.
 """
 from kdn.ops.api import (
     diagonal_kdn,

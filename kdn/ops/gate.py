@@ -19,7 +19,7 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, *, fused: bool = True) -
     """
     H, K = f.shape[-2:]
     if fla_fused(f, fused):
-        from fla.ops.kda.gate import fused_kda_gate
+        from kdn.ops.fla_internals import fused_kda_gate
 
         return fused_kda_gate(f, A_log, dt_bias)
     return -upcast(A_log).exp()[:, None] * F.softplus(upcast(f) + upcast(dt_bias).view(H, K))

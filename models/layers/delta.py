@@ -280,7 +280,7 @@ class GatedDeltaNet(_ScalarBetaRule):
         """Whether fla refuses this rule's backward here (a Triton miscompilation, fla #640: Hopper, Triton 3.4 to
         3.7.1, gradients on); the same rule is then KDA with the head's decay on every key channel, whose kernels
         are not affected."""
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+        from kdn.ops.fla_internals import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
         return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and torch.is_grad_enabled()
 

@@ -25,7 +25,7 @@ def _chunk_ce(logits: Tensor, target: Tensor, scale: Tensor, fused: bool) -> Ten
     ``logits`` with ``scale * dloss/dlogits`` (in its dtype). Computed in at least FP32; ``fused``: fla's kernels
     on CUDA."""
     if fla_fused(logits, fused):
-        from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd, cross_entropy_fwd
+        from kdn.ops.fla_internals import cross_entropy_bwd, cross_entropy_fwd
 
         loss, _, lse, _, _ = cross_entropy_fwd(logits, target, ignore_index=IGNORE)
         cross_entropy_bwd(logits, target, lse, scale.expand(target.shape[0]), ignore_index=IGNORE,

@@ -11,10 +11,10 @@
 from kdn.ops.triton.gain_diagonal import diagonal_gain, diagonal_gain_dplr
 from kdn.ops.triton.gain_isotropic import isotropic_gain
 from kdn.ops.triton.kdn import chunk_diagonal_kdn, chunk_isotropic_kdn, chunk_kda
-from kdn.ops.triton.safe_gate import SAFE_GATE_READS, SafeGate, exact_only
+from kdn.ops.triton.safe_gate import SafeGate, count_safe_gate_reads, exact_only
 from kdn.ops.triton.utils import gain_segments
 
 __all__ = [
     "chunk_diagonal_kdn", "chunk_isotropic_kdn", "chunk_kda", "diagonal_gain", "diagonal_gain_dplr",
-    "isotropic_gain", "SafeGate", "SAFE_GATE_READS", "exact_only", "gain_segments",
+    "isotropic_gain", "SafeGate", "count_safe_gate_reads", "exact_only", "gain_segments",
 ]

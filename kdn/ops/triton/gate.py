@@ -109,7 +109,7 @@ def _launch(
     if cu_seqlens is None:
         idx, grid = None, (triton.cdiv(T, C), B * H)
     else:
-        from fla.ops.utils import prepare_chunk_indices
+        from kdn.ops.fla_internals import prepare_chunk_indices
 
         idx = prepare_chunk_indices(cu_seqlens, C)
         grid = (len(idx), H)

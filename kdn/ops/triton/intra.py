@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fla.ops.utils.constant import RCP_LN2
-from fla.ops.utils.op import exp2
-from fla.utils import autotune_cache_kwargs
+
+from kdn.ops.fla_internals import RCP_LN2, autotune_cache_kwargs, exp2
 
 
 @triton.jit

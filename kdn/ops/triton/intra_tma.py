@@ -23,12 +23,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fla.ops.utils.constant import RCP_LN2
-from fla.ops.utils.op import exp2
-from fla.utils import autotune_cache_kwargs
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kdn.ops.fla_internals import RCP_LN2, autotune_cache_kwargs, exp2
 from kdn.ops.triton.intra import launch_sizes, new_outputs
 
 
@@ -169,8 +167,14 @@ def tma_supported(*tensors: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    return all(map(_descriptor_ready, tensors))
+
+
+def _descriptor_ready(t: torch.Tensor) -> bool:
+    """Whether a descriptor can move ``t``'s tiles: a 16-byte aligned base, unit last stride, 16-byte multiples for
+    every other stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 \
+        and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -201,8 +205,13 @@ def chunk_asym_bwd_intra_tma(
     if bad:
         raise ValueError(f"TMA needs rows of 16-byte multiples, and K={K} in {', '.join(bad)} is not: pad K to a "
                          f"multiple of {16 // min(t.element_size() for t in tiles)} or use chunk_asym_bwd_intra")
-    if any(t.data_ptr() % 16 for t in (*tiles, dAqk, dAkk)):
-        raise ValueError("TMA needs 16-byte aligned tensors: pass contiguous copies (.contiguous() of a fresh tensor)")
+    loaded = {"q": q, "k": k, "k_precond": k_precond, "g": g, "dAqk": dAqk, "dAkk": dAkk, "dq": dq, "dk": dk,
+              "dk_precond": dk_precond, "dg": dg}  # every tensor read through a descriptor
+    bad = [name for name, t in loaded.items() if not _descriptor_ready(t)]
+    if bad:
+        raise ValueError(f"TMA needs 16-byte aligned tensors with a unit last stride and 16-byte multiples for the "
+                         f"others, and {', '.join(bad)} are not: pass contiguous copies (.contiguous() of a fresh "
+                         "tensor) or use chunk_asym_bwd_intra")
     if cu_seqlens is not None and not triton.knobs.runtime.interpret \
             and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)  # the partial chunks' in-kernel descriptors

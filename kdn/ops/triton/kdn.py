@@ -169,7 +169,7 @@ def chunk_diagonal_kdn(
 
         o, (S, p) = chunk_diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), scale=K ** -0.5)
     """
-    from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
+    from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule
 
     chunk = check_memory(memory, chunk_size)
     precise = check_precision(precision, memory) == "fp32"

@@ -4,8 +4,9 @@
 side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
 and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
 fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra_tma` on sm_90, :mod:`kdn.ops.triton.intra`
-elsewhere), with the final chunk sums of ``dg`` left
-to the caller on request (:func:`_asym_intra_bwd`). Both KDNs
+elsewhere), with the final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). fla's
+private launchers and kernels are reached through :mod:`kdn.ops.fla_internals`, which also holds the launches of
+its intra-chunk kernels on our grids. Both KDNs
 run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
 so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
 
@@ -19,72 +20,22 @@ operands (``precision="fp32"``, docs/kernels.md).
 """
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-
 import torch
-import triton
 from torch import Tensor
 
+from kdn.ops import fla_internals
 from kdn.ops.triton.intra import chunk_asym_bwd_intra
 from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma, tma_supported
-from kdn.ops.triton.precision import precise_kernel, precise_launcher
+from kdn.ops.triton.precision import maybe_precise
 from kdn.ops.triton.safe_gate import SafeGate
 from kdn.ops.triton.utils import kernel_choice
 from kdn.ops.validate import ASYM_CHUNK
 
 
-def _precise(fn: Callable, precise: bool) -> Callable:
-    """``fn`` (a kernel or a launcher), or its TF32x3 copy when ``precise``."""
-    if not precise:
-        return fn
-    return precise_launcher(fn) if isinstance(fn, types.FunctionType) else precise_kernel(fn)
-
-
-def _asym_intra_fwd(
-    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
-    seqs: dict[str, Tensor | None], output_qg: bool, precise: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
-    """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
-    the WY representation), whose last launch also writes ``qg = q exp2(gc)`` when ``output_qg`` (the backward's
-    chunk-state gradient reads it; ``None`` otherwise). Returns ``(w, u, qg, kg, Aqk, Akk)``."""
-    from fla.ops.precond_kda.chunk_intra import (
-        DEFAULT_SOLVE_TRIL_PRECISION,
-        chunk_precond_kda_fwd_intra_token_parallel,
-        chunk_precond_kda_fwd_kernel_inter_solve_fused,
-        chunk_precond_kda_fwd_kernel_intra_sub_chunk,
-    )
-    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
-    from fla.ops.utils.constant import RCP_LN2
-    from fla.utils import IS_GATHER_SUPPORTED
-
-    C = ASYM_CHUNK
-    B, T, H, K = k.shape
-    BC = 16
-    NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
-    Aqk = torch.empty(B, T, H, C, device=k.device, dtype=k.dtype)
-    Akk = torch.zeros(B, T, H, C, device=k.device, dtype=k.dtype)  # the kernels write its lower triangle only
-    Akk_diag = torch.empty(B, T, H, BC, device=k.device, dtype=torch.float32)
-    if safe:
-        _precise(chunk_precond_kda_fwd_kernel_intra_sub_chunk, precise)[(NT, C // BC, B * H)](
-            q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale, **seqs, T=T, H=H, K=K,
-            BT=C, BC=BC, BK=triton.next_power_of_2(K), GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
-    else:
-        _precise(chunk_precond_kda_fwd_intra_token_parallel, precise)(
-            q=q, k=k, k_precond=kappa, gk=gc, beta=beta, Aqk=Aqk, Akk=Akk_diag, scale=scale,
-            cu_seqlens=seqs["cu_seqlens"], chunk_size=C, sub_chunk_size=BC)
-    _precise(chunk_precond_kda_fwd_kernel_inter_solve_fused, precise)[(NT, B * H)](
-        q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
-        H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=DEFAULT_SOLVE_TRIL_PRECISION, USE_SAFE_GATE=safe)
-    w, u, qg, kg = _precise(recompute_w_u_fwd, precise)(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                                        output_qg=output_qg, output_kg=True, **seqs)
-    return w, u, qg, kg, Aqk, Akk
-
-
 def _asym_intra_bwd(
     q: Tensor, k: Tensor, kappa: Tensor, gc: Tensor, beta: Tensor, dAqk: Tensor, dAkk: Tensor, dq: Tensor,
     dk: Tensor, dkg: Tensor, db: Tensor, dg: Tensor, safe: bool, seqs: dict[str, Tensor | None], precise: bool,
-    dg_chunk_sums: bool = True,
+    dg_chunk_sums: bool = True, kernel: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The asymmetric intra-chunk backward, which adds the intra-chunk terms to ``dq, dk, dkg`` (those of
     ``q, k, kappa``), ``db`` and the per-token ``dg``, then takes ``dg``'s reverse cumulative sum within each chunk
@@ -96,33 +47,14 @@ def _asym_intra_bwd(
     Inside fla's safe envelope, ours (one program a chunk, the sum fused): its tiles through tensor descriptors
     where the GPU and the tensors allow (:mod:`kdn.ops.triton.intra_tma`), else through pointers
     (:mod:`kdn.ops.triton.intra`); outside it, fla's ``chunk_precond_kda_bwd_intra``, whose token loop is exact for
-    any gate. ``KDN_INTRA_KERNEL`` (:func:`intra_kernel`) can force any of the three."""
-    kernel = intra_kernel(safe, (q, k, kappa, gc, dAqk, dAkk, dq, dk, dkg, dg))
-    if kernel != "fla":
-        fn = chunk_asym_bwd_intra_tma if kernel == "tma" else chunk_asym_bwd_intra
-        return _precise(fn, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
-                                     dg_chunk_sums=dg_chunk_sums, **seqs)
-    from fla.ops.precond_kda.chunk_intra import chunk_precond_kda_bwd_kernel_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-    from fla.utils import IS_GATHER_SUPPORTED
-
-    C = ASYM_CHUNK
-    B, T, H, K = k.shape
-    BC, BK = 16, min(32, triton.next_power_of_2(K))  # fla's tiles (docs/performance.md, "Memory and WY")
-    NT = triton.cdiv(T, C) if seqs["chunk_indices"] is None else len(seqs["chunk_indices"])
-    NK = triton.cdiv(K, BK)
-    dq2, dk2, dkappa2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(kappa)
-    db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
-    dg2 = torch.empty_like(dg, dtype=torch.float)
-    _precise(chunk_precond_kda_bwd_kernel_intra, precise)[(NK * (C // BC) * NT, B * H)](
-        q=q, k=k, k_precond=kappa, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dq2=dq2, dk=dk, dk2=dk2,
-        dk_precond=dkg, dk_precond2=dkappa2, dg=dg, dg2=dg2, db=db2, **seqs, B=B, T=T, H=H, K=K, BT=C, BC=BC, BK=BK,
-        NC=C // BC, SAFE_GATE=safe, GATE_SHIFT=2.0 * RCP_LN2, USE_GATHER=IS_GATHER_SUPPORTED)
-    db = db2.sum(0).add_(db)
-    if dg_chunk_sums:
-        dg2 = chunk_local_cumsum(dg2, chunk_size=C, reverse=True, **seqs)
-    return dq2, dk2, dkappa2, db, dg2
+    any gate. ``kernel`` (:func:`intra_kernel`; None reads ``KDN_INTRA_KERNEL``) can force any of the three."""
+    kernel = intra_kernel(safe, (q, k, kappa, gc, dAqk, dAkk, dq, dk, dkg, dg), kernel)
+    if kernel == "fla":
+        return fla_internals.asym_intra_bwd(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg, safe, seqs,
+                                            precise, dg_chunk_sums)
+    fn = chunk_asym_bwd_intra_tma if kernel == "tma" else chunk_asym_bwd_intra
+    return maybe_precise(fn, precise)(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, db, dg,
+                                      dg_chunk_sums=dg_chunk_sums, **seqs)
 
 
 INTRA_KERNELS = ("auto", "tma", "kdn", "fla")
@@ -159,24 +91,21 @@ def _asym_memory_fwd(
     tensor-core diagonal blocks were taken. Unless ``recompute_states``, ``saved`` holds the WY terms and chunk states
     the backward would otherwise recompute.
     ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
-    from fla.ops.utils.constant import RCP_LN2
-
     C = ASYM_CHUNK
     q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
     seqs = {"cu_seqlens": cu_seqlens,
-            "chunk_indices": None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, C)}
+            "chunk_indices": None if cu_seqlens is None else fla_internals.prepare_chunk_indices(cu_seqlens, C)}
     if gc is None:  # log2, per chunk
-        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=RCP_LN2, **seqs)
+        gc = fla_internals.chunk_local_cumsum(g.float().contiguous(), chunk_size=C, scale=fla_internals.RCP_LN2,
+                                              **seqs)
     beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
     safe = bool(check)
     keep = not recompute_states
-    w, u, qg, kg, Aqk, Akk = _asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
-    h, v_new, S = _precise(chunk_gated_delta_rule_fwd_h, precise)(
+    w, u, qg, kg, Aqk, Akk = fla_internals.asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
+    h, v_new, S = maybe_precise(fla_internals.chunk_gated_delta_rule_fwd_h, precise)(
         k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
-    o = _precise(chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, chunk_size=C, **seqs)
+    o = maybe_precise(fla_internals.chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale,
+                                                                 chunk_size=C, **seqs)
     states = (w, qg, kg, h, v_new) if keep else (None,) * 5
     saved = (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"], *states)
     return o.to(q.dtype), S, saved, safe
@@ -190,10 +119,6 @@ def _asym_memory_bwd(
     and the gradients of ``o`` and ``S_T``: ``(dq, dk, dkappa, dv, dg, dbeta, dS0)``, the first four in their inputs'
     dtypes, ``dg`` (of the raw ``g``) and ``dbeta`` FP32, ``dS0`` FP32 (``None`` without ``S0``).
     ``dg_chunk_sums=False``: ``dg`` before its reverse cumulative sum within the chunks (:func:`_asym_intra_bwd`)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.precond_kda.chunk_bwd import chunk_precond_kda_bwd_dAv
-    from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
-
     from kdn.ops.triton.wy import chunk_asym_bwd_wy_dqkg
 
     q, k, kappa, v, gc, beta, Aqk, Akk, S0, cu_seqlens, chunk_indices, w, qg, kg, h, v_new = saved
@@ -201,15 +126,15 @@ def _asym_memory_bwd(
     seqs = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
     do = do.contiguous()
     if h is None:  # recompute the WY representation and the chunk states (as fla's KDA backward does)
-        w, u, qg, kg = _precise(recompute_w_u_fwd, precise)(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q,
-                                                            output_qg=True, output_kg=True, **seqs)
-        h, v_new, _ = _precise(chunk_gated_delta_rule_fwd_h, precise)(
+        w, u, qg, kg = maybe_precise(fla_internals.recompute_w_u_fwd, precise)(
+            k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=True, output_kg=True, **seqs)
+        h, v_new, _ = maybe_precise(fla_internals.chunk_gated_delta_rule_fwd_h, precise)(
             k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=False, chunk_size=C, **seqs)
-    dAqk, dv = _precise(chunk_precond_kda_bwd_dAv, precise)(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale,
-                                                            chunk_size=C, **seqs)
-    dh, dS0, dv = _precise(chunk_gated_delta_rule_bwd_dhu, precise)(q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do,
-                                                                    dv=dv, scale=scale, chunk_size=C, **seqs)
-    dq, dk, dkg, dv, dbeta, dg, dAkk = _precise(chunk_asym_bwd_wy_dqkg, precise)(
+    dAqk, dv = maybe_precise(fla_internals.chunk_precond_kda_bwd_dAv, precise)(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=C, **seqs)
+    dh, dS0, dv = maybe_precise(fla_internals.chunk_gated_delta_rule_bwd_dhu, precise)(
+        q=qg, k=kg, w=w, gk=gc, h0=S0, dht=dS, do=do, dv=dv, scale=scale, chunk_size=C, **seqs)
+    dq, dk, dkg, dv, dbeta, dg, dAkk = maybe_precise(chunk_asym_bwd_wy_dqkg, precise)(
         q=q, k=k, k_precond=kappa, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
         scale=scale, chunk_size=C, **seqs)
     dq, dk, dkappa, dbeta, dg = _asym_intra_bwd(q, k, kappa, gc, beta, dAqk, dAkk, dq, dk, dkg, dbeta, dg, safe,

@@ -96,3 +96,11 @@ def precise_launcher(fn: Callable) -> Callable:
         new.__kwdefaults__ = inner.__kwdefaults__
         _LAUNCHERS[fn] = torch.compiler.disable(new)
     return _LAUNCHERS[fn]
+
+
+def maybe_precise(fn: Callable, precise: bool) -> Callable:
+    """``fn`` (a kernel or a launcher), or its FP32-accurate copy when ``precise`` (:func:`precise_launcher` for a
+    Python function, :func:`precise_kernel` for a kernel)."""
+    if not precise:
+        return fn
+    return precise_launcher(fn) if isinstance(fn, types.FunctionType) else precise_kernel(fn)

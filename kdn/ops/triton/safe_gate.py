@@ -22,8 +22,21 @@ from torch import Tensor
 # 16-token sub-chunk whose gates fall by at most 75 nats keeps both factors within exp(+-60) (fla.ops.kda.chunk_intra)
 SAFE_GATE_SPREAD = 75.0
 SAFE_GATE_STEPS = 15
-# How the checks read so far went (True: tensor-core path, False: token loop); train.py's profiler reports them.
-SAFE_GATE_READS: Counter[bool] = Counter()
+# The counters of the count_safe_gate_reads() scopes around the caller, innermost last (none outside any scope)
+_READS: ContextVar[tuple[Counter[bool], ...]] = ContextVar("safe_gate_reads", default=())
+
+
+@contextmanager
+def count_safe_gate_reads() -> Iterator[Counter[bool]]:
+    """Within this context each read of a check (:class:`SafeGate`) is counted in the counter it yields:
+    ``reads[True]`` took fla's tensor-core path, ``reads[False]`` the exact token loop. A nested scope's reads count
+    in the outer ones too; a read outside every scope is not counted (``train.py``'s profiler counts its steps)."""
+    reads: Counter[bool] = Counter()
+    token = _READS.set((*_READS.get(), reads))
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
 
 
 class SafeGate:
@@ -45,7 +58,8 @@ class SafeGate:
         if self._event is not None:
             self._event.synchronize()
         ok = bool(self._ok)
-        SAFE_GATE_READS[ok] += 1
+        for reads in _READS.get():
+            reads[ok] += 1
         return ok
 
 

@@ -22,9 +22,14 @@ from kdn.ops.validate import check_cu_seqlens
 
 
 def kernel_choice(kernel: str | None, env: str, choices: tuple[str, ...], what: str) -> str:
-    """``kernel``, else the environment variable ``env``, else ``"auto"``; a value outside ``choices`` is refused in
-    one line that names ``env`` (``what`` names the kernel in the message)."""
-    kernel = kernel or os.environ.get(env) or "auto"
+    """``kernel`` when given (it wins over the environment), else the environment variable ``env``, else
+    ``"auto"``; a value outside ``choices`` is refused in one line that names where it came from (``what`` names the
+    kernel in the message)."""
+    if kernel is not None:
+        if kernel not in choices:
+            raise ValueError(f"{what} {kernel!r} is not one of {choices}: pass kernel= one of them")
+        return kernel
+    kernel = os.environ.get(env) or "auto"
     if kernel not in choices:
         raise ValueError(f"{what} {kernel!r} is not one of {choices}: set {env} to one of them")
     return kernel

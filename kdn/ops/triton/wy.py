@@ -34,10 +34,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fla.ops.utils import prepare_chunk_indices
-from fla.ops.utils.op import exp2
-from fla.utils import autotune_cache_kwargs
 
+from kdn.ops.fla_internals import autotune_cache_kwargs, exp2, prepare_chunk_indices
 from kdn.ops.triton.utils import kernel_choice
 
 
