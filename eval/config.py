@@ -9,6 +9,7 @@ equal to these defaults.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -62,8 +63,9 @@ def load_eval_config(composed: Any) -> EvalConfig:
 def check_override_keys(args: list[str]) -> None:
     """Refuse a command-line override whose key :class:`EvalConfig` lacks, plain or added (``+key``, ``++key``), in
     one line with a did-you-mean, before Hydra composes: Hydra answers a plain typo by advising a ``+``, and adds a
-    ``+`` key that nothing reads. Every argument is checked, the first included. Flags, deletions (``~key``),
-    config groups (``preset``, ``hydra/launcher``) and ``hydra.*`` keys are left to Hydra.
+    ``+`` key that nothing reads. Every argument is checked, the first included, and a config group's value
+    (``preset=quick``) must name one of its files. Flags, deletions (``~key``), ``hydra/launcher`` and ``hydra.*``
+    keys are left to Hydra.
 
     Raises:
         OptionError: ``ruler.sample_per_cell: unknown key (did you mean 'samples_per_cell'?)``.
@@ -72,9 +74,18 @@ def check_override_keys(args: list[str]) -> None:
     for arg in args:
         if arg.startswith(("-", "~")) or "=" not in arg:
             continue
-        key = arg.split("=", 1)[0].lstrip("+")
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+")
         parts = key.split(".")
-        if any(c in key for c in "@/") or parts[0] == "hydra" or key in groups:
+        if key in groups:  # a config group: each value (a -m sweep lists several) names one of its files
+            choices = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            for choice in value.split(","):
+                if choice not in (*choices, "null"):
+                    close = difflib.get_close_matches(choice, choices, n=1)
+                    raise OptionError(f"{key}={choice!r} is not one of {', '.join(choices)}"
+                                      + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        if any(c in key for c in "@/") or parts[0] == "hydra":
             continue
         node: Any = EvalConfig
         for i, part in enumerate(parts):

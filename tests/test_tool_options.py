@@ -131,6 +131,17 @@ def test_evaluate_refuses_a_wrong_typed_value_in_one_line(override: str, message
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
+def test_a_preset_must_name_one_of_its_files() -> None:
+    import evaluate
+
+    with pytest.raises(ValueError, match=r"^preset='quik' is not one of paper, quick \(did you mean 'quick'\?\)$"):
+        evaluate.compose(["model=x", "preset=quik"])
+    with pytest.raises(ValueError, match=r"^preset='fast' is not one of paper, quick$"):
+        evaluate.check_override_keys(["-m", "preset=quick,fast", "model=x"])
+    evaluate.check_override_keys(["-m", "preset=quick,paper", "model=runs/a,runs/b", "hydra/launcher=slurm"])
+    assert evaluate.compose(["model=x", "preset=quick"]).ruler.samples_per_cell == 4
+
+
 def test_an_empty_hub_haystack_is_refused_in_one_line() -> None:
     import evaluate
     from eval.ruler_suite import load_ruler_haystack
