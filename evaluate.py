@@ -26,6 +26,7 @@ from typing import Any
 import data  # noqa: F401  (our packages load before the checkout leaves sys.path, see _unshadow)
 import eval.ruler_suite  # noqa: F401
 import models  # noqa: F401
+from eval.config import EvalConfig, check_override_keys, load_eval_config
 from eval.generation import resolve_batch_size
 from eval.harness import Unavailable, go_offline, load_model, quiet_lm_eval
 from eval.model_dir import (
@@ -51,7 +52,7 @@ def _unshadow() -> None:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 
-def build_context(cfg: Any) -> Context:
+def build_context(cfg: EvalConfig) -> Context:
     """Resolve and load the model named by ``cfg.model`` and hash the files it was loaded from; everything the
     suites share."""
     import torch
@@ -77,9 +78,8 @@ def build_context(cfg: Any) -> Context:
                    device=torch.device(device), dtype=dtype,
                    max_length=int(cfg.max_length or training_context(target)),
                    attention_limit=full_attention_limit(model.config, target), model_meta=model_metadata(target, model),
-                   weights=weights, batch_size=batch_size, overwrite=bool(cfg.overwrite),
-                   log_samples=bool(cfg.log_samples), skip_unavailable=bool(cfg.skip_unavailable),
-                   progress=bool(cfg.progress))
+                   weights=weights, batch_size=batch_size, overwrite=cfg.overwrite,
+                   log_samples=cfg.log_samples, skip_unavailable=cfg.skip_unavailable, progress=cfg.progress)
 
 
 def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) -> str:
@@ -105,7 +105,7 @@ def format_table(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) ->
     return "\n".join(lines)
 
 
-def run(cfg: Any) -> dict[str, Any]:
+def run(cfg: EvalConfig) -> dict[str, Any]:
     """Run ``cfg.suites`` on ``cfg.model``; returns ``{"reports": {suite: results file}, "skipped": {...}}``.
     Prints one table of every suite's cells, what was skipped, and ``cfg.expected`` (what a preset's model should
     score) when set."""
@@ -120,7 +120,7 @@ def run(cfg: Any) -> dict[str, Any]:
     with quiet_lm_eval():
         for suite in suites:
             try:
-                rep = RUNNERS[suite](ctx, cfg[suite])
+                rep = RUNNERS[suite](ctx, getattr(cfg, suite))
             except Unavailable as e:
                 if not ctx.skip_unavailable:
                     raise
@@ -131,45 +131,21 @@ def run(cfg: Any) -> dict[str, Any]:
             elif not any(k.startswith(f"{suite}/") for k in ctx.skipped):
                 ctx.skipped[suite] = "no cell ran"
     print(format_table(reports, ctx.skipped))
-    if cfg.get("expected"):
+    if cfg.expected:
         print(f"expected: {' '.join(str(cfg.expected).split())}")
     print(f"results in {ctx.target.out_dir}")
     return {"reports": reports, "skipped": dict(ctx.skipped)}
 
 
-def check_override_keys(args: list[str]) -> None:
-    """Refuse a command-line override whose key ``conf/eval/config.yaml`` lacks, plain or added (``+key``,
-    ``++key``), in one line with a did-you-mean, before Hydra composes: Hydra answers a plain typo by advising a
-    ``+``, and adds a ``+`` key that nothing reads. Flags, deletions (``~key``), config groups (``preset``,
-    ``hydra/launcher``) and ``hydra.*`` keys are left to Hydra.
-
-    Raises:
-        ValueError: ``ruler.sample_per_cell: unknown key (did you mean 'samples_per_cell'?)``.
-    """
-    from omegaconf import OmegaConf
-
-    from trainer.config import did_you_mean, override_keys
-
-    schema = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    for parts in override_keys(args, CONF, added=True):
-        node: Any = {k: v for k, v in schema.items() if k not in ("defaults", "hydra")}
-        for i, part in enumerate(parts):
-            if not isinstance(node, dict):  # below a value: Hydra's own error names it
-                break
-            if part not in node:
-                raise ValueError(did_you_mean(".".join(parts[:i + 1]), set(node)))
-            node = node[part]
-
-
-def compose(overrides: list[str]) -> Any:
-    """The config ``python evaluate.py <overrides>`` would run (Hydra's compose API; for tests and scripts), its
-    override keys checked as the command line's are."""
+def compose(overrides: list[str]) -> EvalConfig:
+    """The typed config ``python evaluate.py <overrides>`` would run (Hydra's compose API; for tests and scripts),
+    its override keys and values checked as the command line's are."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     check_override_keys(list(overrides))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return load_eval_config(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
 def main() -> None:
@@ -184,7 +160,7 @@ def main() -> None:
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     def app(cfg: Any) -> None:
         try:
-            run(cfg)
+            run(load_eval_config(cfg))
         except (ValueError, FileNotFoundError, Unavailable) as e:
             print(f"evaluate: {str(e).splitlines()[0]}", file=sys.stderr)
             raise SystemExit(2) from None

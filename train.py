@@ -3,7 +3,7 @@
     python train.py                                   # README main job: small KDN, embedded corpus, CPU
     python train.py model=toy trainer.max_steps=30    # a short run
     python train.py experiment=table1_750m_kdn_diag   # one paper row
-    python train.py -m experiment=table4_mu_1,table4_mu_dk   # a sweep (slurm/sweep.sh submits it to SLURM)
+    python train.py -m experiment=table4_mu_1,table4_mu_dk   # a local multirun (SLURM: docs/sweeps.md)
     accelerate launch --num_processes 2 train.py ...  # DDP; add trainer.distributed=fsdp for FSDP2
 
 Everything a run writes lives in ``run_dir`` (``runs/<name>`` by default; the default name holds the

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.options import parse_options
 from data.mixing import derive_key, uniform01
 from data.shards import DTYPES, FORMAT, META, VERSION, check_shard, dtype_for_vocab, read_meta, write_array, write_json
 from data.sources import FINEWEB_EDU, SOURCES, DocumentSource, make_source
@@ -408,44 +409,10 @@ def _run(cfg: PrepareConfig, tok: Tokenizer, source: DocumentSource, dtype: str,
         _clean_stray(out_dir, chunks)
 
 
-def _parse_value(field: dataclasses.Field, raw: str) -> bool | int | float | str | None:
-    kind = str(field.type)
-    if "None" in kind and raw.lower() in ("none", "null", "~"):
-        return None
-    if kind == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{field.name}={raw!r} is not a boolean; use true or false")
-    if kind == "int":
-        m = re.fullmatch(r"([0-9.eE+]+)([KMBT]?)", raw.replace("_", ""))
-        if not m:
-            raise ValueError(f"{field.name}={raw!r} is not an integer (examples: 1000, 1e9, 50B, 10M)")
-        value = float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2)]
-        if value != int(value):
-            raise ValueError(f"{field.name}={raw!r} is not a whole number")
-        return int(value)
-    if kind.startswith("float"):
-        try:
-            return float(raw)
-        except ValueError as e:
-            raise ValueError(f"{field.name}={raw!r} is not a number") from e
-    return raw
-
-
 def config_from_overrides(overrides: list[str]) -> PrepareConfig:
-    """`PrepareConfig` from Hydra-style `key=value` strings (unknown keys are an error)."""
-    fields = {f.name: f for f in dataclasses.fields(PrepareConfig)}
-    values = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.lstrip("+")
-        if not sep:
-            raise ValueError(f"argument {item!r} is not key=value")
-        if key not in fields:
-            raise ValueError(f"unknown setting {key!r}; known: {', '.join(fields)}")
-        values[key] = _parse_value(fields[key], raw)
+    """`PrepareConfig` from Hydra-style `key=value` strings, read by `common.options.parse_options` (an unknown key
+    or a value not of its field's type is a one-line `OptionError`, a `ValueError`)."""
+    values, _ = parse_options(PrepareConfig, overrides, example="max_tokens=50M")
     return PrepareConfig(**values)
 
 

@@ -10,6 +10,7 @@ sizes their batches in place (at most a cell's samples each); every cell records
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -21,6 +22,20 @@ from eval.ruler.haystack import Haystack
 from eval.suites import Context, run_cells
 
 log = logging.getLogger("evaluate")
+
+
+@dataclass
+class RulerOptions:
+    """``ruler``: Table 2 (modified RULER, eval/ruler)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_single_3",
+                                                      "niah_multikey_1"])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # each task runs the lengths of
+    # its grid that are listed here
+    samples_per_cell: int = 500
+    seed: int = 0
+    haystack: str = field(default="kjv", metadata={"help": "kjv, essays, hub:<dataset>, or a .json or text file"})
+    max_new_tokens: int = 128
 
 
 def ruler_cells(tasks: list[str], lengths: list[int]) -> list[tuple[str, int]]:
@@ -41,7 +56,7 @@ def ruler_cells(tasks: list[str], lengths: list[int]) -> list[tuple[str, int]]:
     return cells
 
 
-def load_ruler_haystack(cfg: Any) -> Haystack:
+def load_ruler_haystack(cfg: RulerOptions) -> Haystack:
     """The essay haystack ``ruler.haystack`` names; called before any model is loaded, so that essays that cannot
     be reached stop the run with one line naming the fixes (a local file, or ``ruler.haystack=kjv``)."""
     from eval import ruler
@@ -52,7 +67,7 @@ def load_ruler_haystack(cfg: Any) -> Haystack:
         raise type(e)(f"ruler.haystack={cfg.haystack}: {e}") from None
 
 
-def run_ruler(ctx: Context, cfg: Any) -> dict[str, Any]:
+def run_ruler(ctx: Context, cfg: RulerOptions) -> dict[str, Any]:
     """Run the selected cells (``ruler.tasks`` x ``ruler.lengths``, ``ruler.samples_per_cell`` each); a cell is
     written as soon as it finishes.
 

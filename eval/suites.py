@@ -35,6 +35,45 @@ LM_SUMMARY_KEYS = ("wiki_ppl", "lmb_ppl", *ACC_METRIC, "avg")
 
 
 @dataclass
+class LmOptions:
+    """``lm``: Table 1 (lm-eval, zero-shot)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande",
+                                                      "arc_easy", "arc_challenge"])
+    limit: int | None = None  # at most this many documents per task
+    include_path: str | None = None  # a folder of extra lm-eval task YAMLs
+
+
+@dataclass
+class RetrievalOptions:
+    """``retrieval``: Table 3 (cloze retrieval, eval/tasks)."""
+
+    tasks: list[str] = field(default_factory=lambda: list(RETRIEVAL_TASKS))
+    data_dir: str | None = None  # a folder of <task>.jsonl / .parquet with the hub datasets' fields (offline)
+    context_tokens: int = 2048
+    limit: int | None = None
+
+
+@dataclass
+class PplOptions:
+    """``ppl``: held-out perplexity on data.prepare shards."""
+
+    shards: str | None = None
+    split: str = "val"
+    seq_len: int = 2048
+    max_batches: int | None = None
+
+
+@dataclass
+class BetaEffOptions:
+    """``beta_eff``: the overwrite probe (Fig. 2)."""
+
+    shards: str | None = None
+    n_seqs: int = 8
+    seq_len: int = 2048
+
+
+@dataclass
 class Context:
     """A loaded model and what every suite needs to know about it."""
 
@@ -109,7 +148,7 @@ def run_cells(ctx: Context, suite: str, settings: dict[str, Any], cells: list[st
     return store.read() or payload({}, settings)
 
 
-def run_lm(ctx: Context, cfg: Any) -> dict[str, Any]:
+def run_lm(ctx: Context, cfg: LmOptions) -> dict[str, Any]:
     """Table 1: lm-eval tasks through ``HFLM`` at ``ctx.max_length``; summary in Table 1's columns."""
     check_context(ctx.max_length, ctx.attention_limit, f"lm-eval at max_length={ctx.max_length}")
     manager = task_manager(cfg.include_path, defaults=False)  # indexing lm-eval's own tasks takes a minute
@@ -141,7 +180,7 @@ def _task_version(task: dict[str, Any]) -> Any:
     return getattr(obj, "VERSION", None) or (getattr(obj.config, "metadata", None) or {}).get("version")
 
 
-def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
+def run_retrieval(ctx: Context, cfg: RetrievalOptions) -> dict[str, Any]:
     """Table 3: the six cloze tasks (``eval/tasks/kdn_<task>.yaml``); score = % of documents whose greedy
     continuation contains an answer; summary = the six-task mean."""
     unknown = [t for t in cfg.tasks if t not in RETRIEVAL_TASKS]
@@ -180,7 +219,7 @@ def run_retrieval(ctx: Context, cfg: Any) -> dict[str, Any]:
     return run_cells(ctx, "retrieval", settings, list(cfg.tasks), run_cell, summarize, unit="task")
 
 
-def run_ppl(ctx: Context, cfg: Any) -> dict[str, Any]:
+def run_ppl(ctx: Context, cfg: PplOptions) -> dict[str, Any]:
     """Held-out perplexity on prepared shards (``ppl.shards``): token-weighted loss and its exp per split."""
     from eval.perplexity import shard_perplexity
 
@@ -199,7 +238,7 @@ def run_ppl(ctx: Context, cfg: Any) -> dict[str, Any]:
                      lambda res: {f"{s}_ppl": r["ppl"] for s, r in res.items()}, unit="split")
 
 
-def run_beta_eff(ctx: Context, cfg: Any) -> dict[str, Any]:
+def run_beta_eff(ctx: Context, cfg: BetaEffOptions) -> dict[str, Any]:
     """The overwrite probe (Fig. 2): ``beta_eff`` statistics on ``beta_eff.n_seqs`` validation sequences, and a
     histogram PNG beside the results file."""
     from eval.overwrite import plot, probe_beta_eff, summarize

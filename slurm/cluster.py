@@ -2,11 +2,13 @@
 ``cluster.KEY=VALUE`` overrides on the command line."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from common.options import OptionError, parse_options
 from slurm.sweeps import ROOT, SweepError
 
 CONF = ROOT / "conf" / "slurm"
@@ -38,7 +40,8 @@ class ClusterConfig:
 
 
 def load_cluster(overrides: list[str], conf_dir: Path = CONF) -> ClusterConfig:
-    """Settings from the YAML files and ``KEY=VALUE`` overrides (without the ``cluster.`` prefix), validated."""
+    """Settings from the YAML files and ``KEY=VALUE`` overrides (without the ``cluster.`` prefix, read by
+    ``common.options.parse_options``), validated; a one-line ``SweepError`` otherwise."""
     merged = OmegaConf.structured(ClusterConfig)
     for path in (conf_dir / "cluster.yaml", conf_dir / "local.yaml"):
         if path.is_file():
@@ -46,16 +49,11 @@ def load_cluster(overrides: list[str], conf_dir: Path = CONF) -> ClusterConfig:
                 merged = OmegaConf.merge(merged, OmegaConf.load(path))
             except Exception as e:  # omegaconf's errors name the key but span lines
                 raise SweepError(f"{path}: {str(e).splitlines()[0]}") from e
-    known = {f.name for f in fields(ClusterConfig)}
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if key not in known:
-            raise SweepError(f"unknown cluster setting cluster.{key}; known: {', '.join(sorted(known))}")
     try:
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-    except Exception as e:
-        raise SweepError(f"cluster settings: {str(e).splitlines()[0]}") from e
-    cfg: ClusterConfig = OmegaConf.to_object(merged)
+        values, _ = parse_options(ClusterConfig, overrides, example="partition=gpu")
+    except OptionError as e:  # the keys come without their cluster. prefix
+        raise SweepError(f"cluster.{e}") from None
+    cfg: ClusterConfig = dataclasses.replace(OmegaConf.to_object(merged), **values)
     check(cfg)
     return cfg
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from slurm.cluster import load_cluster
 from slurm.jobs import ACTIVE, UNKNOWN, active_jobs, job_states
 from slurm.sweep import parse, shown
-from slurm.sweeps import ROOT, SweepError, expand, is_finished
+from slurm.sweeps import ROOT, expand, is_finished
 
 
 def last_record(metrics: Path) -> dict | None:
@@ -65,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, tool, cluster_overrides, _ = parse(argv)
         cluster = load_cluster(cluster_overrides)
-        jobs = expand(args.name, seeds=int(tool["seeds"]), runs_root=ROOT / cluster.runs_root, overrides=[],
-                      of=tool["of"])
-    except SweepError as e:
+        jobs = expand(args.name, seeds=tool.seeds, runs_root=ROOT / cluster.runs_root, overrides=[], of=tool.of)
+    except ValueError as e:  # SweepError, and the options' key errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{'run':<48} {'state':<14} {'job':>10} {'slurm':<11} {'step':>8} {'loss':>8}  every job (id:state)")

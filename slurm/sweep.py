@@ -23,16 +23,42 @@ import argparse
 import contextlib
 import fcntl
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from common.options import parse_options
 from slurm.cluster import ClusterConfig, load_cluster
 from slurm.submit import Plan, plan, submit
-from slurm.sweeps import ROOT, Job, SweepError, available, expand
+from slurm.sweeps import ROOT, Job, SweepError, available, expand, load_sweep
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict, list[str], list[str]]:
-    """``(args, tool settings, cluster overrides, Hydra overrides)``."""
+@dataclass
+class SweepOptions:
+    """The sweep command's own ``key=value`` options; every other key is the training (or evaluation) script's."""
+
+    seeds: int = 1  # training seeds per experiment
+    force: bool = False  # re-freeze a run whose config changed since its first submission
+    of: str | None = None  # the eval sweep's training sweep
+    resubmit_unknown: bool = False  # submit although a recorded job's state cannot be told
+
+
+def _target_keys(kind: str) -> tuple[set[str], Callable[[list[str]], None]]:
+    """The first key parts the sweep's script (train.py or evaluate.py) accepts, and its override-key check."""
+    if kind == "eval":
+        from eval.config import check_override_keys, top_level_keys
+
+        return top_level_keys(), check_override_keys
+    from trainer.config import CONF_DIR, TrainConfig, check_override_keys
+
+    return {*(f.name for f in fields(TrainConfig)), *(p.name for p in CONF_DIR.iterdir() if p.is_dir()),
+            "hydra"}, check_override_keys
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SweepOptions, list[str], list[str]]:
+    """``(args, tool options, cluster overrides, Hydra overrides)``: the tool's options and ``cluster.KEY=VALUE``
+    read by ``common.options.parse_options``, the rest checked against the sweep's script's config keys, so that a
+    typo anywhere is one line with a did-you-mean."""
     ap = argparse.ArgumentParser(prog="python -m slurm.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help=f"a sweep in conf/sweep/: {', '.join(available())}")
@@ -40,24 +66,17 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict, list[str], 
                                                  "cluster.KEY=VALUE, train overrides")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs and their batch scripts; submit nothing")
     args = ap.parse_intermixed_args(argv)
-    tool = {"seeds": "1", "force": "false", "of": None, "resubmit_unknown": "false"}
-    cluster, hydra = [], []
-    for item in args.overrides:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SweepError(f"{item!r}: arguments are key=value (e.g. seeds=3 or mixer.mu=1)")
-        if key in tool:
-            tool[key] = value
-        elif key.startswith("cluster."):
-            cluster.append(f"{key.removeprefix('cluster.')}={value}")
-        else:
-            hydra.append(item)
-    if not tool["seeds"].isdigit():
-        raise SweepError(f"seeds={tool['seeds']}: give a whole number of training seeds")
-    for key in ("force", "resubmit_unknown"):
-        if tool[key] not in ("true", "false"):
-            raise SweepError(f"{key}={tool[key]}: true or false")
-    return args, tool, cluster, hydra
+    keys, check_keys = _target_keys(load_sweep(args.name)["kind"])
+
+    def passthrough(key: str) -> bool:
+        return key.startswith("cluster.") or key.split(".")[0] in keys or any(c in key for c in "@/")
+
+    values, rest = parse_options(SweepOptions, args.overrides, passthrough=passthrough,
+                                 other_names=[*keys, "cluster"], example="seeds=3 or mixer.mu=1")
+    cluster = [item.removeprefix("cluster.") for item in rest if item.startswith("cluster.")]
+    hydra = [item for item in rest if not item.startswith("cluster.")]
+    check_keys(hydra)
+    return args, SweepOptions(**values), cluster, hydra
 
 
 def shown(path: Path) -> str:
@@ -65,14 +84,12 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def plans(name: str, tool: dict, cluster: ClusterConfig, hydra: list[str]) -> list[Plan]:
+def plans(name: str, tool: SweepOptions, cluster: ClusterConfig, hydra: list[str]) -> list[Plan]:
     """Every job of the sweep, checked (all before any submission: one bad run stops the whole sweep)."""
-    jobs: list[Job] = expand(name, seeds=int(tool["seeds"]), runs_root=ROOT / cluster.runs_root, overrides=hydra,
-                             of=tool["of"])
+    jobs: list[Job] = expand(name, seeds=tool.seeds, runs_root=ROOT / cluster.runs_root, overrides=hydra, of=tool.of)
     if not jobs:
-        raise SweepError(f"sweep {name} has no job to run (for eval: no run of of={tool['of']} has finished yet)")
-    return [plan(j, cluster, force=tool["force"] == "true", resubmit_unknown=tool["resubmit_unknown"] == "true")
-            for j in jobs]
+        raise SweepError(f"sweep {name} has no job to run (for eval: no run of of={tool.of} has finished yet)")
+    return [plan(j, cluster, force=tool.force, resubmit_unknown=tool.resubmit_unknown) for j in jobs]
 
 
 @contextlib.contextmanager
@@ -95,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, tool, cluster_overrides, hydra = parse(argv)
         cluster = load_cluster(cluster_overrides)
-    except SweepError as e:
+    except ValueError as e:  # SweepError, and the options' and the script's config key errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     with contextlib.nullcontext() if args.dry_run else submission_lock(ROOT / cluster.runs_root):
         return _plan_and_submit(args, tool, cluster, hydra)
 
 
-def _plan_and_submit(args: argparse.Namespace, tool: dict, cluster: ClusterConfig, hydra: list[str]) -> int:
+def _plan_and_submit(args: argparse.Namespace, tool: SweepOptions, cluster: ClusterConfig, hydra: list[str]) -> int:
     try:
         todo = plans(args.name, tool, cluster, hydra)
     except SweepError as e:

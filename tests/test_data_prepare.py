@@ -286,10 +286,15 @@ def test_cli_overrides_and_errors(tmp_path, capsys):
     cfg = config_from_overrides(["source=jsonl", "max_tokens=2K", "val_fraction=0.1", "add_bos=true", "+seed=3"])
     assert (cfg.source, cfg.max_tokens, cfg.val_fraction, cfg.add_bos, cfg.seed) == ("jsonl", 2000, 0.1, True, 3)
     assert config_from_overrides(["max_tokens=50B"]).max_tokens == 50_000_000_000
-    with pytest.raises(ValueError, match="unknown setting 'max_token'"):
+    with pytest.raises(ValueError, match=r"^max_token: unknown key \(did you mean 'max_tokens'\?\)$"):
         config_from_overrides(["max_token=5"])
-    with pytest.raises(ValueError, match="is not an integer"):
+    with pytest.raises(ValueError, match=r"^docs_per_shard='lots' is not an int \(e.g. 1000, 1e9, 50B\)$"):
         config_from_overrides(["docs_per_shard=lots"])
+    for word in ("yes", "True", "1", "on"):  # refused, never read as false
+        with pytest.raises(ValueError, match=f"^add_bos='{word}' is not a boolean: write add_bos=true or "
+                                             "add_bos=false$"):
+            config_from_overrides([f"add_bos={word}"])
+    assert config_from_overrides(["add_bos=false", "val_fraction=null"]).val_fraction is None
     assert main(["source=parquet", f"paths={tmp_path}/none/*.parquet", f"out_dir={tmp_path}/o"]) == 2
     assert "matches no file" in capsys.readouterr().err
     write_jsonl(tmp_path / "d.jsonl", make_docs(20, seed=6))

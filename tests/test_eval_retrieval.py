@@ -119,3 +119,18 @@ def test_an_unreachable_dataset_names_the_local_path(run_dir: Path, tmp_path: Pa
     assert "retrieval.data_dir" in out["skipped"]["retrieval/fda"] and not (tmp_path / "retrieval.json").exists()
     with pytest.raises(ValueError, match=r"unknown retrieval task\(s\) \['quac'\]"):
         evaluate.run(evaluate.compose(base[:-1] + ["retrieval.tasks=[quac]"]))
+
+
+def test_the_records_folder_is_named_by_data_dir_only(retrieval_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KDN_RETRIEVAL_DATA`` is not a second spelling of ``retrieval.data_dir``: set alone, it is refused in one line
+    naming the key (it would otherwise leave the run to the hub unnoticed); beside ``data_dir`` it is not read."""
+    from eval.tasks.utils import load_records
+
+    monkeypatch.setenv("KDN_RETRIEVAL_DATA", str(retrieval_data))
+    with pytest.raises(ValueError) as err:
+        load_records("fda")
+    assert str(err.value) == (f"KDN_RETRIEVAL_DATA is not read: pass retrieval.data_dir={retrieval_data} to "
+                              "evaluate.py (lm-eval: --metadata '{\"data_dir\": DIR}') and unset it")
+    monkeypatch.setenv("KDN_RETRIEVAL_DATA", "/no/such/folder")
+    assert [r["value"] for r in load_records("fda", str(retrieval_data))] == \
+        [json.loads(x)["value"] for x in (retrieval_data / "fda.jsonl").read_text().splitlines()]

@@ -215,9 +215,10 @@ def test_override_typos_and_unknown_plus_keys_are_refused_in_one_line(monkeypatc
                                                   "'samples_per_cell'?)"),
                      ("++rulr.seed=1", "rulr: unknown key (did you mean 'ruler'?)"),
                      ("+zzz=1", "zzz: unknown key (valid keys: ")):
-        with pytest.raises(ValueError) as e:
-            evaluate.check_override_keys(["model=x", arg])
-        assert str(e.value).startswith(msg), str(e.value)
+        for args in (["model=x", arg], [arg, "model=x"]):  # the first argument is checked as the others are
+            with pytest.raises(ValueError) as e:
+                evaluate.check_override_keys(args)
+            assert str(e.value).startswith(msg), str(e.value)
     with pytest.raises(ValueError, match="did you mean 'samples_per_cell'"):
         evaluate.compose(["model=x", "+ruler.sample_per_cell=2"])  # Hydra itself would accept and ignore it
     monkeypatch.setattr(sys, "argv", ["evaluate.py", "model=x", "+ruler.sample_per_cell=2"])

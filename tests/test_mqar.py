@@ -177,7 +177,8 @@ def test_overrides_and_errors() -> None:
     assert set(explicit) == {"mixers", "widths", "seeds", "preset", "out"}
     assert MixerChoice.parse("kdn_diag/mu=1").kwargs == (("mu", "1"),)
     assert dict(MixerChoice.parse("kda/output_gate=false").kwargs) == {"output_gate": False}
-    for argv, match in ((["widht=64"], "unknown key"), (["mixers=kdx"], "unknown mixer"), (["widths"], "key=value"),
+    for argv, match in ((["widht=64"], "widht: unknown key .did you mean 'widths'"), (["mixers=kdx"], "unknown mixer"),
+                        (["widths"], "key=value"),
                         (["mixers=kda/mu=1"], "does not take"), (["settings=64-4"], "SEQLENxPAIRS"),
                         (["preset=big"], "unknown preset"), (["epochs=0"], "epochs=0 is out of range"),
                         (["widths=a"], "widths='a' is not a comma-separated list of int")):

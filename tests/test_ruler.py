@@ -314,10 +314,14 @@ def test_cli_writes_jsonl(tmp_path):
     res = subprocess.run([sys.executable, "-m", "eval.ruler.generate", "task=niah_x", "length=512", "n=1",
                           f"out={tmp_path / 'x.jsonl'}"], capture_output=True, text=True)
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and "unknown RULER task" in res.stderr
-    with pytest.raises(ValueError, match="unknown argument 'size'"):
+    with pytest.raises(ValueError, match=r"^size: unknown key \(valid keys: haystack, length, max_new_tokens, n, "):
         generate_main(["task=niah_single_2", "size=512", "n=3", f"out={out}"])
-    with pytest.raises(ValueError, match="missing length="):
+    with pytest.raises(ValueError, match=r"^lenght: unknown key \(did you mean 'length'\?\)$"):
+        generate_main(["task=niah_single_2", "lenght=512", "n=3", f"out={out}"])
+    with pytest.raises(ValueError, match=r"^length: missing; give length=\.\.\.$"):
         generate_main(["task=niah_single_2", "n=3", f"out={out}"])
+    with pytest.raises(ValueError, match=r"^n='3x' is not an int"):
+        generate_main(["task=niah_single_2", "length=512", "n=3x", f"out={out}"])
 
 
 def test_samples_are_not_degenerate(tok, kjv):

@@ -219,7 +219,17 @@ def test_a_refused_submission_freezes_nothing_and_a_corrected_one_is_accepted(
     (["table4_mu", "cluster.timeout_min=20"], "lower trainer.ckpt_every or raise cluster.timeout_min"),
     (["table4_mu", "cluster.gpus_per_node=3"], "is not a multiple of micro_batch_size x seq_len x world_size"),
     (["table9"], "unknown sweep 'table9'; known sweeps: eval, table1_1.3b"),
-    (["table4_mu", "cluster.gpu=1"], "unknown cluster setting cluster.gpu"),
+    (["table4_mu", "cluster.gpu=1"], "cluster.gpu: unknown key (valid keys: "),
+    (["table4_mu", "cluster.gpus_per_nod=1"], "cluster.gpus_per_nod: unknown key (did you mean 'gpus_per_node'?)"),
+    (["table4_mu", "cluster.nodes=two"], "cluster.nodes='two' is not an int"),
+    (["table4_mu", "sedds=3"], "sedds: unknown key (did you mean 'seeds'?)"),
+    (["table4_mu", "resubmit_unknwn=true"], "resubmit_unknwn: unknown key (did you mean 'resubmit_unknown'?)"),
+    (["table4_mu", "trainer.max_stepz=3"], "trainer.max_stepz: unknown key (did you mean 'max_steps'?)"),
+    (["eval", "of=table4_mu", "ruler.sample_per_cell=3"], "ruler.sample_per_cell: unknown key (did you mean "
+                                                          "'samples_per_cell'?)"),
+    (["eval", "oof=table4_mu"], "oof: unknown key (did you mean 'of'?)"),
+    *((["table4_mu", f"{key}={word}"], f"{key}='{word}' is not a boolean: write {key}=true or {key}=false")
+      for key in ("resubmit_unknown", "force") for word in ("yes", "True", "1")),
     (["eval"], "add of=<sweep>"),
     (["table4_mu", "seeds=0"], "give at least one training seed"),
     (["table4_mu", "mixer.mu"], "arguments are key=value"),

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import models
+from common.options import parse_options
 from eval.mqar.data import MQARSetting
 from eval.mqar.train import PRECISIONS, Budget, MixerChoice, arm_suffix, check_curve, job_precision, model_config
 from models.configuration import INIT_RULES
@@ -134,31 +135,6 @@ over 5 % of the tokens (a GPU check of the whole pipeline); ``cpu``: the smalles
 ``auto`` is ``full`` when CUDA is available and ``cpu`` otherwise."""
 
 
-BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def _scalar(kind: type, text: str) -> Any:
-    if kind is bool:
-        if text.lower() not in BOOLS:
-            raise ValueError(text)
-        return BOOLS[text.lower()]
-    return kind(text)
-
-
-def _convert(name: str, text: str) -> Any:
-    """``text`` as the type of :class:`MQARConfig`'s field ``name``; a one-line ``ValueError`` naming the option
-    and its type otherwise."""
-    hint = get_type_hints(MQARConfig)[name]
-    item = get_args(hint)[0] if get_origin(hint) is list else hint
-    try:
-        if get_origin(hint) is list:
-            return [_scalar(item, x.strip()) for x in text.split(",") if x.strip()]
-        return _scalar(hint, text)
-    except ValueError:
-        what = f"a comma-separated list of {item.__name__}" if get_origin(hint) is list else item.__name__
-        raise ValueError(f"{name}={text!r} is not {what}") from None
-
-
 def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
@@ -235,18 +211,11 @@ def check_models(cfg: MQARConfig) -> None:
 
 def parse_overrides(argv: list[str]) -> tuple[MQARConfig, dict[str, Any]]:
     """``["mixers=kdn_diag,kda", "widths=64", "preset=smoke"]`` -> the config (preset first, then the keys) and
-    the explicit overrides. Lists are comma-separated; an unknown key raises naming the known ones."""
-    known = {f.name: f for f in fields(MQARConfig)}
-    explicit: dict[str, Any] = {}
-    for arg in argv:
-        key, sep, value = arg.lstrip("-").partition("=")
-        if key == "quick" and not sep:
-            key, sep, value = "preset", "=", "smoke"
-        if not sep:
-            raise ValueError(f"argument {arg!r} is not key=value (e.g. mixers=kdn_diag,kda widths=64)")
-        if key not in known:
-            raise ValueError(f"unknown key {key!r}; known keys: {', '.join(known)}")
-        explicit[key] = _convert(key, value)
+    the explicit overrides, read by ``common.options.parse_options`` (lists are comma-separated; ``quick`` or
+    ``--quick`` is ``preset=smoke``). A one-line ``ValueError`` names an unknown key (with a did-you-mean), a value
+    not of its option's type, or one out of its range."""
+    argv = ["preset=smoke" if arg.lstrip("-") == "quick" else arg for arg in argv]
+    explicit, _ = parse_options(MQARConfig, argv, example="mixers=kdn_diag,kda widths=64")
     preset = explicit.get("preset", "auto")
     if preset == "auto":
         preset = "full" if torch.cuda.is_available() else "cpu"

@@ -14,38 +14,34 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from common.options import from_dict, parse_options
 from eval.ruler.haystack import load_haystack
 from eval.ruler.samples import MAX_NEW_TOKENS, build_samples, cell_name, check_task
 
-_REQUIRED = ("task", "length", "n", "out")
-_DEFAULTS = {"seed": "0", "start": "0", "haystack": "kjv", "tokenizer": "mistral-v1",
-             "max_new_tokens": str(MAX_NEW_TOKENS)}
-_INTS = ("length", "n", "seed", "start", "max_new_tokens")
+
+@dataclass
+class GenerateOptions:
+    """The command's ``key=value`` options (``common.options``); the first four have no default."""
+
+    task: str
+    length: int
+    n: int
+    out: str
+    seed: int = 0
+    start: int = 0
+    haystack: str = "kjv"
+    tokenizer: str = "mistral-v1"
+    max_new_tokens: int = MAX_NEW_TOKENS
 
 
-def parse_args(argv: list[str]) -> dict:
-    """`key=value` arguments as a dict (ints converted); unknown or missing keys are refused."""
-    args: dict = dict(_DEFAULTS)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"argument {item!r} is not key=value; e.g. task=niah_single_2 length=4096 n=20 "
-                             "out=FILE.jsonl")
-        if key not in _REQUIRED and key not in _DEFAULTS:
-            raise ValueError(f"unknown argument {key!r}; known: {', '.join((*_REQUIRED, *_DEFAULTS))}")
-        args[key] = value
-    missing = [k for k in _REQUIRED if k not in args]
-    if missing:
-        raise ValueError(f"missing {', '.join(m + '=' for m in missing)}; e.g. task=niah_single_2 length=4096 "
-                         "n=20 out=FILE.jsonl")
-    for key in _INTS:
-        try:
-            args[key] = int(args[key])
-        except ValueError:
-            raise ValueError(f"{key}={args[key]!r} is not an integer") from None
-    return args
+def parse_args(argv: list[str]) -> GenerateOptions:
+    """``key=value`` arguments as :class:`GenerateOptions`; an unknown key (with a did-you-mean), a missing one or
+    a value not of its type is a one-line ``ValueError``."""
+    values, _ = parse_options(GenerateOptions, argv, example="task=niah_single_2 length=4096 n=20 out=FILE.jsonl")
+    return from_dict(GenerateOptions, values)
 
 
 def write_jsonl(samples: list[dict], out: str | os.PathLike) -> Path:
@@ -65,16 +61,16 @@ def main(argv: list[str] | None = None) -> Path:
     from data.tokenizer import load_tokenizer
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    spec = check_task(args["task"])
+    spec = check_task(args.task)
     t0 = time.perf_counter()
-    haystack = load_haystack(args["haystack"]) if spec.haystack == "essay" else None
-    tokenizer = load_tokenizer(args["tokenizer"])
-    samples = build_samples(args["task"], args["length"], args["n"], tokenizer=tokenizer, haystack=haystack,
-                            seed=args["seed"], start=args["start"], max_new_tokens=args["max_new_tokens"])
-    path = write_jsonl(samples, args["out"])
+    haystack = load_haystack(args.haystack) if spec.haystack == "essay" else None
+    tokenizer = load_tokenizer(args.tokenizer)
+    samples = build_samples(args.task, args.length, args.n, tokenizer=tokenizer, haystack=haystack, seed=args.seed,
+                            start=args.start, max_new_tokens=args.max_new_tokens)
+    path = write_jsonl(samples, args.out)
     words = [s["haystack_words"] for s in samples] or [0]
     tokens = [s["prompt_tokens"] for s in samples] or [0]
-    print(f"{cell_name(args['task'], args['length'])}: wrote {len(samples)} samples to {path} "
+    print(f"{cell_name(args.task, args.length)}: wrote {len(samples)} samples to {path} "
           f"(haystack {min(words)}-{max(words)} words, prompts {min(tokens)}-{max(tokens)} tokens, "
           f"{time.perf_counter() - t0:.1f} s)")
     return path

@@ -182,6 +182,9 @@ def load_haystack(spec: str | None) -> Haystack:
     if spec in ESSAY_ALIASES:
         return _hub(ESSAYS_DATASET)
     if spec.startswith("hub:"):
+        if not spec[len("hub:"):].strip():
+            raise ValueError("the hub: prefix names no dataset; write hub:<owner>/<dataset> (e.g. "
+                             "hub:baber/paul_graham_essays)")
         return _hub(spec[len("hub:"):])
     return _file(spec)
 

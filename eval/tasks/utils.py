@@ -1,8 +1,8 @@
 """Cloze retrieval tasks (Table 3) for lm-eval: SWDE, FDA, SQuAD, TriviaQA, NQ, DROP (docs/protocol.md §9).
 
 The documents come from the Hugging Face hub (``hazyresearch/based-*``, validation split) or, offline, from local
-files with the same fields: ``<data_dir>/<task>.jsonl`` or ``.parquet`` (``data_dir`` in lm-eval's metadata, or the
-``KDN_RETRIEVAL_DATA`` environment variable).
+files with the same fields: ``<data_dir>/<task>.jsonl`` or ``.parquet`` (``retrieval.data_dir`` of evaluate.py,
+``data_dir`` in lm-eval's metadata).
 
 Each record is cut and prompted as the JRT fork of lm-eval (HazyResearch/prefix-linear-attention) does it with
 ``--cutting_context`` (truncation ``"jrt"``, docs/protocol.md §9, "Table 3's truncation"):
@@ -53,7 +53,7 @@ TRUNCATION = "jrt"  # the rule's name in the results' settings
 CONTEXT_TOKENS = 2048  # the fork's --context_length for the five tasks, and its model's window
 ANSWER_ROOM = 50  # the fork's --answer_length: tokens of the cut length the window leaves out
 MAX_GEN_TOKENS = 48
-DATA_ENV = "KDN_RETRIEVAL_DATA"
+RETIRED_DATA_ENV = "KDN_RETRIEVAL_DATA"  # not read: the folder is retrieval.data_dir (lm-eval: metadata data_dir)
 _SWDE_SUMMARY = "Summary of information above..."
 _TRIVIA_MARKERS = re.compile(r"\[PAR\]|\[DOC\]|\[TLE\]")
 
@@ -206,7 +206,10 @@ def build_docs(task: str, records: list[dict[str, Any]], codec: Codec,
 
 
 def _local_file(task: str, data_dir: str | None) -> Path | None:
-    root = data_dir or os.environ.get(DATA_ENV)
+    root = data_dir
+    if not root and os.environ.get(RETIRED_DATA_ENV):  # refused: a folder named only there would be left for the hub
+        raise ValueError(f"{RETIRED_DATA_ENV} is not read: pass retrieval.data_dir={os.environ[RETIRED_DATA_ENV]} "
+                         "to evaluate.py (lm-eval: --metadata '{\"data_dir\": DIR}') and unset it")
     if not root:
         return None
     for ext in ("jsonl", "json", "parquet"):

@@ -1,0 +1,4 @@
+"""Helpers every tool shares; a leaf package (it imports nothing of the project)."""
+from common.options import OptionError, did_you_mean, from_dict, parse_options, parse_value
+
+__all__ = ["OptionError", "did_you_mean", "from_dict", "parse_options", "parse_value"]
