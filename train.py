@@ -47,6 +47,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data import PrepareConfig, TokenLoader, check_tokenizer, load_tokenizer, prepare, read_meta  # noqa: E402
+from data.pipeline import os_error_line  # noqa: E402
 from kdn.modules import cached_weight_casts  # noqa: E402
 from models import build_model, count_flops_per_token  # noqa: E402
 from trainer.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf  # noqa: E402
@@ -84,6 +85,10 @@ class NonFiniteLossError(RuntimeError):
 
 class NonFiniteWeightsError(RuntimeError):
     """A parameter (or optimiser state) became NaN/Inf in an optimiser step; that state was not saved."""
+
+
+class DataPrepareError(RuntimeError):
+    """The shards could not be written (a full disk, a read-only directory); the message is one line."""
 
 
 _ADVICE = ("Lower optim.lr or raise optim.warmup_frac (add resume=force to continue this run with the new "
@@ -213,7 +218,10 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
     # data: one global token stream, the same for every mixer with the same data.seed
     if cfg.data.auto_prepare:
         with accelerator.main_process_first():  # the first process tokenises; the others find the shards
-            shard_dir = prepare(PrepareConfig(**cfg.data.prepare))
+            try:
+                shard_dir = prepare(PrepareConfig(**cfg.data.prepare))
+            except OSError as e:  # a full disk, a read-only directory: one line, the finished chunks kept
+                raise DataPrepareError(f"data.prepare: {os_error_line(e)}") from None
     else:
         shard_dir = Path(cfg.data.prepare["out_dir"])
     try:  # the tokenizer exported with the model is the one the shards were made with
@@ -399,9 +407,10 @@ def main(dict_cfg: DictConfig) -> None:
     dict_cfg.run_dir = str(run_dir)
     try:
         train(load_config(dict_cfg), hydra_files)
-    except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, NonFiniteWeightsError) as e:
+    except (ConfigError, RunDirError, CheckpointError, DataPrepareError, NonFiniteLossError,
+            NonFiniteWeightsError) as e:
         line, code = refusal(e)
-        if isinstance(e, (ConfigError, RunDirError, CheckpointError)):  # no directory left for nothing
+        if not isinstance(e, (NonFiniteLossError, NonFiniteWeightsError)):  # no directory left for nothing
             discard_unused_run_dir(run_dir)
         print(line, file=sys.stderr)
         raise SystemExit(code) from None
@@ -410,10 +419,11 @@ def main(dict_cfg: DictConfig) -> None:
 def refusal(err: Exception) -> tuple[str, int]:
     """The one line on stderr and the exit code of an error that ends ``train.py``: bad values, an impossible batch
     split or a missing device (config, 2); another experiment, earlier training or a live process in the run
-    directory (run, 2); a full disk, every checkpoint damaged or a refused file (checkpoint, 1); a NaN/Inf loss,
-    gradient or weight, the last good checkpoint kept (training, 1)."""
+    directory (run, 2); a full disk, every checkpoint damaged or a refused file (checkpoint, 1); shards that cannot
+    be written (data, 1); a NaN/Inf loss, gradient or weight, the last good checkpoint kept (training, 1)."""
     kind, code = (("config", 2) if isinstance(err, ConfigError) else ("run", 2) if isinstance(err, RunDirError)
-                  else ("checkpoint", 1) if isinstance(err, CheckpointError) else ("training", 1))
+                  else ("checkpoint", 1) if isinstance(err, CheckpointError)
+                  else ("data", 1) if isinstance(err, DataPrepareError) else ("training", 1))
     return f"{kind} error: {' '.join(str(err).split())}", code
 
 if __name__ == "__main__":

@@ -250,3 +250,26 @@ def test_gpu_bf16_run_reports_mfu_and_memory(tmp_path: Path, shards: list[str]) 
     assert all(r["peak_mem_gib"] > 0 for r in rows)
     if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
         assert all(0 < r["mfu"] < 1 for r in rows)
+
+
+def test_auto_prepare_on_a_full_disk_ends_in_one_line_and_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import train
+
+    shard = tmp_path / "shards" / "train_00003.bin"
+
+    def full_disk(cfg: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(shard))
+
+    monkeypatch.setattr(train, "prepare", full_disk)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config-path", str(ROOT / "conf"), *TOY,
+                                      f"run_dir={tmp_path / 'run'}", f"data.prepare.out_dir={tmp_path / 'shards'}",
+                                      "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    with pytest.raises(SystemExit) as stop:
+        train.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"data error: data.prepare: {shard}: No space left on device; free space there or pass out_dir= on a disk "
+        "with room, then run the same command again (finished chunks are kept, nothing half-written is)"]
