@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import timeout_s
+from conftest import free_port, timeout_s
 
 from slurm import expand, expand_nodelist, load_cluster, plan, rendezvous
 from slurm.jobs import record_job, recorded_jobs
@@ -366,13 +366,14 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     one = subprocess.run([sys.executable, "-m", "slurm.launch", "train.py", *common, f"run_dir={tmp_path / 'one'}"],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s(300))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
+    port = free_port()  # the job id whose rendezvous port (20000 + id % 20000) is this free one
+    slurm = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
     nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
                                f"run_dir={tmp_path / 'two'}"], cwd=ROOT, env=_env(**slurm, SLURM_NODEID=str(n)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outs = [p.communicate(timeout=timeout_s(300))[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert "node 1/2, 1 process(es), world 2, master localhost:24242" in outs[1]
+    assert f"node 1/2, 1 process(es), world 2, master localhost:{port}" in outs[1]
     assert "2 process(es) x 1 accumulation" in outs[0]
     l1, l2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(l1) == len(l2) == 2 and l1 == pytest.approx(l2, rel=1e-5, abs=0)
