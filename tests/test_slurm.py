@@ -364,7 +364,8 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     steps: the same global batch, so the losses agree to FP32 rounding."""
     common = [*TOY, *shards, "trainer.max_steps=2"]
     one = subprocess.run([sys.executable, "-m", "slurm.launch", "train.py", *common, f"run_dir={tmp_path / 'one'}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s(300))
+                         cwd=ROOT, env=_env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                         timeout=timeout_s(300))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
     port = free_port()  # the job id whose rendezvous port (20000 + id % 20000) is this free one
     slurm = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
@@ -389,7 +390,8 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
                                                               "trainer.ckpt_every=0"]))
     script = tmp_path / "job.sbatch"
     script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
-    env = _env(SLURM_JOB_ID="4343", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+    job_id = str(free_port())  # its rendezvous port (20000 + id % 20000) is free
+    env = _env(SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
                PATH=f"{tools}:{os.environ['PATH']}")
     metrics = runs / "toy" / "metrics.jsonl"
 
@@ -405,7 +407,7 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
 
     rc, out = run_until(2)
     assert rc == 75, out[-3000:]
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4343"]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", job_id]
     saved = len(_losses(runs / "toy"))
     rc, out = run_until(saved + 2)
     assert rc == 75 and "resumed from" in out, out[-3000:]
@@ -481,7 +483,7 @@ def test_a_job_killed_before_its_first_checkpoint_starts_over_when_run_again(tmp
                                                      f"trainer.ckpt_every={ENDLESS}"]))
     script = tmp_path / "job.sbatch"
     script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
-    env = _env(SLURM_JOB_ID="4444", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+    env = _env(SLURM_JOB_ID=str(free_port()), SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
                PATH=f"{tools}:{os.environ['PATH']}")
     metrics = run / "metrics.jsonl"
 
