@@ -24,7 +24,7 @@ RUNS = ("table5_learned", "table5_fixed_r", "table5_fixed_r_omega")
 NOT_QUEUED = 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'
 NO_CONTROLLER = 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1'
 # that limit: what a hung query costs, and ample time for a fake that answers (a bash script) on a loaded machine
-QUERY_S = timeout_s(2)
+QUERY_S = timeout_s(0.5)
 HUNG = f"exec sleep {30 * QUERY_S:g}"  # a squeue that does not answer within the limit, whatever the suite's factor
 
 
