@@ -128,8 +128,7 @@ def time_ms(fn: Callable[[], None], repeats: int, warmup: int = 5) -> float:
 def variant(name: str) -> tuple[str, dict[str, object]]:
     """``(base mixer name, settings)`` of the mixer ``name``. Diagonal KDN memory variants (the ``memory`` and
     ``chunk_size`` arguments of :class:`kdn.DiagonalKDN`): ``kdn_diag@asym`` fla's asymmetric chunk-64 kernels,
-    ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16, ``kdn_diag@c32`` at chunk 32 (16 or 32; 64 is refused);
-    ``kdn_diag@onepass`` the gain in one launch a direction (``one_pass_gain``)."""
+    ``kdn_diag@dplr`` fla's DPLR kernels at chunk 16, ``kdn_diag@c32`` at chunk 32 (16 or 32; 64 is refused)."""
     if "@" not in name:
         return name, {}
     base, tag = name.split("@")
@@ -137,9 +136,7 @@ def variant(name: str) -> tuple[str, dict[str, object]]:
         return base, {"memory": tag}
     if tag in ("c16", "c32"):
         return base, {"memory": "dplr", "chunk_size": int(tag[1:])}
-    if tag == "onepass":
-        return base, {"one_pass_gain": True}
-    raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32, onepass")
+    raise ValueError(f"unknown variant {tag!r} in {name!r}; known: asym, dplr, c16, c32")
 
 
 def host_ms(fn: Callable[[], None], repeats: int = 3) -> float:

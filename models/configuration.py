@@ -53,8 +53,7 @@ class KDNConfig(PretrainedConfig):
     masks on every device, forward only off CUDA). The Diagonal KDN memory route is a mixer keyword
     (``mixer_kwargs["memory"]``, ``"asym"`` or ``"dplr"``, with ``"chunk_size"``), and so is both KDNs' memory
     precision (``mixer_kwargs["precision"]``, ``"bf16"`` or ``"fp32"``; docs/kernels.md, "Precision";
-    ``+mixer.kwargs.precision=fp32`` in training, ``kdn_diag/precision=fp32`` in ``eval.mqar``), and Diagonal KDN's
-    gain in one launch a direction (``mixer_kwargs["one_pass_gain"]``; docs/kernels.md, "Gain kernels").
+    ``+mixer.kwargs.precision=fp32`` in training, ``kdn_diag/precision=fp32`` in ``eval.mqar``).
 
     ``init`` names the weight initialisation rule (:data:`INIT_RULES`): ``"fla"`` (the default) or ``"authors"``.
     """

@@ -76,7 +76,7 @@ def _kdn(isotropic: bool) -> MixerSpec:
         return _matrix_state(cfg, kw) + cfg.num_heads * (1 if isotropic else cfg.head_dim)
 
     kwargs = ("mu", "alpha_param", "noise", "backend", "precision")
-    kwargs += () if isotropic else ("memory", "chunk_size", "one_pass_gain")
+    kwargs += () if isotropic else ("memory", "chunk_size")
     return MixerSpec(f"kdn_{'iso' if isotropic else 'diag'}", kwargs, build, state)
 
 

@@ -1,5 +1,7 @@
 import gc
 import os
+import random
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,19 @@ def timeout_s(seconds: float) -> float:
     """A subprocess's time limit in seconds: ``seconds`` (what an idle 2-core machine needs, with room) times
     :func:`timeout_factor`."""
     return seconds * timeout_factor()
+
+
+def free_port(low: int = 20000, high: int = 40000) -> int:
+    """A TCP port in ``[low, high)`` that nothing on this machine listens on now, drawn at random: tests that start
+    a rendezvous take one each, so two copies of the suite at once do not meet on a fixed port."""
+    for port in random.sample(range(low, high), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high}) after 200 tries: free some ports or widen the range")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,8 +40,10 @@ def _run_stages(script: str, env: dict[str, str]) -> tuple[str, float]:
     src = (ROOT / "bench" / "gpu.sh").read_text()
     func = re.search(r"^run_stage\(\) \{.*?^\}", src, re.S | re.M).group(0)
     start = time.monotonic()
-    # SECONDS=0 starts bash's whole-second clock here, so that the limits below are exact
-    proc = subprocess.run(["bash", "-c", f"LOG=/dev/null; SECONDS=0; START=0; rc=0\n{func}\n{script}\necho rc=$rc"],
+    # SECONDS unset, then set, is a plain variable: the stage finds no time spent, so the limits below are exact
+    # (bash's clock would count a second whenever a second's boundary passed before the stage)
+    proc = subprocess.run(["bash", "-c", f"LOG=/dev/null; unset SECONDS; SECONDS=0; START=0; rc=0\n{func}\n"
+                                         f"{script}\necho rc=$rc"],
                           env=env, capture_output=True, text=True, timeout=timeout_s(60))
     return proc.stdout, time.monotonic() - start
 

@@ -111,18 +111,17 @@ def test_ablations_are_plain_overrides() -> None:
 
 def test_kernel_settings_reach_every_mixer_as_arguments() -> None:
     """``trainer.recompute_states`` becomes the model config's field (no module global), ``model.overrides`` sets
-    ``fused``, and ``mixer.kwargs`` the Diagonal memory route and gain launches; every mixer built from the config
+    ``fused``, and ``mixer.kwargs`` the Diagonal memory route; every mixer built from the config
     holds them."""
     from models import build_model
 
     c = cfg_of(["trainer.recompute_states=true", "+model.overrides.fused=false", "+mixer.kwargs.memory=dplr",
-                "+mixer.kwargs.chunk_size=32", "+mixer.kwargs.one_pass_gain=true", "+model.overrides.num_layers=2"])
+                "+mixer.kwargs.chunk_size=32", "+model.overrides.num_layers=2"])
     mc = build_model_config(c, 512)
     assert (mc.recompute_states, mc.fused, mc.mixer_kwargs["memory"], mc.mixer_kwargs["chunk_size"]) == (
         True, False, "dplr", 32)
     mixer = build_model(mc).model.layers[0].mixer
     assert (mixer.recompute_states, mixer.fused, mixer.memory, mixer.chunk_size) == (True, False, "dplr", 32)
-    assert mixer.one_pass_gain is True
     assert build_model_config(cfg_of(["mixer=kda"]), 512).recompute_states is False
     with pytest.raises(ConfigError, match="memory must be one of"):
         cfg_of(["+mixer.kwargs.memory=bogus"])

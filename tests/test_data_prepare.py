@@ -108,7 +108,7 @@ def test_a_dying_tokeniser_process_stops_prepare_with_an_error(tmp_path, monkeyp
 
     worker = threading.Thread(target=run, daemon=True)  # a prepare waiting for the lost chunk fails, not hangs
     worker.start()
-    worker.join(120)
+    worker.join(timeout_s(120))
     assert not worker.is_alive(), "prepare still waits for the chunk its dead worker held"
     assert len(raised) == 1 and isinstance(raised[0], RuntimeError), raised
     assert re.search("tokeniser process .* died.*rerun the same command", str(raised[0])), raised

@@ -4,6 +4,7 @@ over (real processes, a stubbed cell function), and ``overwrite=true`` replaces 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -23,24 +24,39 @@ SPAWN = mp.get_context("spawn")  # a clean interpreter per process, as two evalu
 WEIGHTS = {"sha256": "5e" * 32, "files": {}}
 
 
-def _evaluate(out_dir: str, cells: list[str], log: str, start: Any = None, claimed: Any = None,
-              seconds: float = 0.4) -> None:
+def _evaluate(out_dir: str, cells: list[str], log: str, start: Any = None, both: Any = None, claimed: Any = None,
+              waiting: Any = None) -> None:
     """One evaluation process: runs ``cells`` through :func:`run_cells`, appending each computed cell to ``log``
-    and writing what ``run_cells`` returned to ``<log>.json``. ``claimed`` is set once a cell is being computed."""
+    and writing what ``run_cells`` returned to ``<log>.json``. ``start``: a barrier passed before ``run_cells``;
+    ``both``: one that its first computed cell waits at (two evaluations computing at once); ``claimed``: an event
+    set once a cell is being computed, which then never ends (the process is killed); ``waiting``: an event set
+    when ``run_cells`` says it waits for a cell that another evaluation is computing."""
     ctx = Context(target=Target(Path(out_dir), None, Path(out_dir)), model=None, hf_tokenizer=None, tokenizer=None,
                   device=torch.device("cpu"), dtype="float32", max_length=64, attention_limit=None,
                   model_meta={"name": "toy"}, weights=WEIGHTS, progress=False)
+    first = [True]
 
     def run_cell(cell: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         with open(log, "a") as f:
             f.write(f"{cell}\n")
+        if both is not None and first:
+            first.clear()
+            both.wait(timeout_s(120))
         if claimed is not None:
             claimed.set()
-        time.sleep(seconds)
+            signal.pause()
         return {"score": 10.0 + len(cell), "pid": os.getpid()}, []
 
+    if waiting is not None:
+        class Waiting(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "waiting for" in record.getMessage():
+                    waiting.set()
+
+        logging.getLogger("evaluate").addHandler(Waiting())
+        logging.getLogger("evaluate").setLevel(logging.INFO)
     if start is not None:
-        start.wait()
+        start.wait(timeout_s(120))
     rep = run_cells(ctx, "ruler", dict(SETTINGS), cells, run_cell, lambda res: {"cells": len(res)})
     Path(f"{log}.json").write_text(json.dumps(rep))
 
@@ -50,13 +66,13 @@ def _computed(log: Path) -> list[str]:
 
 
 def _run_pair(tmp_path: Path, cells_a: list[str], cells_b: list[str]) -> tuple[dict, dict]:
-    start = SPAWN.Barrier(2)
-    procs = [SPAWN.Process(target=_evaluate, args=(str(tmp_path / "eval"), cells, str(tmp_path / name), start))
+    start, both = SPAWN.Barrier(2), SPAWN.Barrier(2)
+    procs = [SPAWN.Process(target=_evaluate, args=(str(tmp_path / "eval"), cells, str(tmp_path / name), start, both))
              for name, cells in (("a", cells_a), ("b", cells_b))]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(timeout_s(120))
         assert p.exitcode == 0, f"an evaluation process failed (exit {p.exitcode})"
     return tuple(json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")  # type: ignore[return-value]
 
@@ -72,6 +88,8 @@ def test_two_evaluations_of_one_model_keep_each_others_cells(tmp_path: Path) -> 
 
 
 def test_a_cell_asked_for_by_two_evaluations_is_computed_once(tmp_path: Path) -> None:
+    """Both ask for the same cells; each computes its first cell while the other computes one (a barrier), so the
+    cells are shared out between them."""
     cells = [f"niah_single_1@{n}" for n in (1024, 2048, 4096, 8192)]
     rep_a, rep_b = _run_pair(tmp_path, cells, cells)
     done = _computed(tmp_path / "a") + _computed(tmp_path / "b")
@@ -82,25 +100,35 @@ def test_a_cell_asked_for_by_two_evaluations_is_computed_once(tmp_path: Path) ->
     assert {c: r["pid"] for c, r in on_disk.items()} == {c: r["pid"] for c, r in rep_a["results"].items()}
 
 
+def _blocked_on_a_lock(pid: int) -> bool:
+    """Whether ``pid`` waits for an ``flock`` that another process holds (a ``->`` line of /proc/locks)."""
+    return any(f[1] == "->" and int(f[5]) == pid for f in (ln.split() for ln in Path("/proc/locks").read_text()
+                                                            .splitlines()) if len(f) > 5)
+
+
+@pytest.mark.skipif(not Path("/proc/locks").is_file(), reason="needs /proc/locks to see the evaluation wait")
 def test_a_cell_claimed_by_a_killed_evaluation_is_taken_over(tmp_path: Path) -> None:
+    """The second evaluation skips the cell that a live one computes, does its other cell, then waits (blocked on
+    the cell's claim) until the first is killed, and computes the cell itself."""
     slow, quick = "niah_single_1@1024", "niah_single_1@2048"
-    out, claimed = tmp_path / "eval", SPAWN.Event()
-    holder = SPAWN.Process(target=_evaluate, args=(str(out), [slow], str(tmp_path / "a"), None, claimed, 600.0))
+    out, claimed, waiting = tmp_path / "eval", SPAWN.Event(), SPAWN.Event()
+    holder = SPAWN.Process(target=_evaluate, args=(str(out), [slow], str(tmp_path / "a"), None, None, claimed))
     holder.start()
     try:
-        assert claimed.wait(120), "the first evaluation never started its cell"
-        other = SPAWN.Process(target=_evaluate, args=(str(out), [slow, quick], str(tmp_path / "b")))
+        assert claimed.wait(timeout_s(120)), "the first evaluation never started its cell"
+        other = SPAWN.Process(target=_evaluate, args=(str(out), [slow, quick], str(tmp_path / "b"), None, None, None,
+                                                      waiting))
         other.start()
+        assert waiting.wait(timeout_s(120)), "the second evaluation did not wait for the claimed cell"
         deadline = time.monotonic() + timeout_s(120)
-        while quick not in _computed(tmp_path / "b") or not (out / "ruler.json").is_file():
-            assert time.monotonic() < deadline and other.is_alive(), "the second evaluation did not skip the cell"
-            time.sleep(0.2)
-        time.sleep(0.5)  # it now waits for the claimed cell
-        assert other.is_alive()
+        while not _blocked_on_a_lock(other.pid):
+            assert time.monotonic() < deadline and other.is_alive(), "the second evaluation did not wait for the lock"
+            time.sleep(0.05)
+        assert _computed(tmp_path / "b") == [quick] and (out / "ruler.json").is_file()
     finally:
         os.kill(holder.pid, signal.SIGKILL)
-        holder.join(30)
-    other.join(120)
+        holder.join(timeout_s(30))
+    other.join(timeout_s(120))
     assert other.exitcode == 0
     assert _computed(tmp_path / "b") == [quick, slow]  # skipped the claimed cell first, took it over after the kill
     assert sorted(json.loads((out / "ruler.json").read_text())["results"]) == sorted([slow, quick])

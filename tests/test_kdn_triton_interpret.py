@@ -110,7 +110,7 @@ print(json.dumps({"errors": out, "segments": segments}))
 def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, softplus: bool, H: int, K: int,
                  device: str = "cpu", dtype: torch.dtype = torch.float32,
                  gate: bool = False, segment_size: int | None = None,
-                 iso: bool = False, one_pass: bool = False) -> dict[str, dict[str, float]]:
+                 iso: bool = False) -> dict[str, dict[str, float]]:
     """``chunk_diagonal_kdn`` (``memory="asym"``: the gain and the memory one autograd node), or with ``iso``
     ``chunk_isotropic_kdn`` (``omega`` after its softplus; the same key on both sides of the memory), ``q, k, v``
     in ``dtype``, ``mu`` and ``S0`` leaves, padded (``lens`` None) or packed; ``softplus``: ``omega`` before its
@@ -119,7 +119,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     the unfused composition ``diagonal_gain`` + ``_AsymmetricMemory`` (``unfused``: autograd sums the two gradients
     of ``k`` and of ``g``, and takes ``g``'s through the gate), and to that composition with the memory's gradients of
     ``k`` and ``g`` cut (``dropped``: what a missing accumulate would give). ``segment_size``: tokens per gain
-    segment (default: the rule); ``one_pass``: Diagonal KDN's gain in one launch a direction."""
+    segment (default: the rule)."""
     import kdn
     from kdn.ops import triton as kt
     from kdn.ops.gate import kda_gate
@@ -149,7 +149,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
             beta, pT = kt.isotropic_gain(lv["k"], g, *terms, dtype, cu_seqlens=cu, segment_size=segment_size)
         else:
             kappa, pT = kt.diagonal_gain(lv["k"], g, *terms, dtype, cu_seqlens=cu, omega_softplus=softplus,
-                                         segment_size=segment_size, one_pass=one_pass)
+                                         segment_size=segment_size)
         k, g = (lv["k"].detach(), g.detach()) if drop else (lv["k"], g)
         # Isotropic: the memory's key k on both sides, beta the gain (its gradient of k reaches the gain's too)
         kappa, beta = (k, beta) if iso else (kappa, None)
@@ -161,7 +161,6 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
         dts = {n: torch.float64 if ref else dtype if n in "qkv" else torch.float32 for n in x}
         lv = {n: t.detach().to(device, dts[n]).requires_grad_() for n, t in x.items()}  # fresh leaves
         kw = {"scale": 0.37, "cu_seqlens": cu} | ({} if iso else {"omega_softplus": softplus})
-        fused_kw = {} if iso else {"one_pass_gain": one_pass}
         if gate:
             kw["gate"] = (lv["A_log"], lv["dt_bias"])
         if ref:
@@ -170,8 +169,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
                 backend="torch", **kw)
         elif kind == "fused":
             o, (S, uT) = (kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn)(
-                *(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), segment_size=segment_size, **kw,
-                **fused_kw)
+                *(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), segment_size=segment_size, **kw)
         else:
             o, S, uT = unfused(lv, kind == "dropped")
         gen = torch.Generator(device=device).manual_seed(0)

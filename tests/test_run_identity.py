@@ -166,7 +166,7 @@ def test_a_live_lock_refuses_and_a_stale_one_is_broken(tmp_path: Path, shards: l
                                                        caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "locked"
     run.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    other = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # alive until killed
     try:
         (run / LOCK_FILE).write_text(_lock_of(other.pid))
         args = TOY + shards + [f"run_dir={run}", "trainer.max_steps=1"]

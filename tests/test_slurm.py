@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import timeout_s
+from conftest import free_port, timeout_s
 
 from slurm import expand, expand_nodelist, load_cluster, plan, rendezvous
 from slurm.jobs import record_job, recorded_jobs
@@ -21,6 +21,9 @@ from slurm.sweep import main as sweep_main
 from slurm.sweeps import Job, SweepError
 
 ROOT = Path(__file__).resolve().parents[1]
+# more steps than a toy run takes within any test's time limit: a run the tests signal or kill is stopped by that,
+# never by reaching its end first, however slowly the test itself is scheduled
+ENDLESS = 10 ** 9
 TOY = ["model=toy", "logging=quiet", "data.seq_len=64", "trainer.micro_batch_size=2",
        "trainer.global_batch_tokens=256", "trainer.eval_batches=2", "trainer.eval_every=0", "trainer.export=false"]
 COUNTS = {"table1_750m": 4, "table1_1.3b": 8, "table2_extra": 9, "table4_mu": 5, "table5_noise": 3}
@@ -158,22 +161,36 @@ def test_a_second_sweep_command_skips_runs_with_a_live_job_and_status_shows_ever
 
 
 def test_two_sweep_commands_at_once_submit_each_run_once(tmp_path: Path) -> None:
-    """Two `python -m slurm.sweep` of one sweep started together (a slow sbatch widens the window in which both
-    would plan before either records a job): each run is submitted once, and the second waits, then skips."""
+    """Two `python -m slurm.sweep` of one sweep started together: each run is submitted once, and the second
+    waits, then skips. The first sbatch call holds its job until the other command says it waits (the window in
+    which both would plan before either records a job, held open)."""
     tools = fake_tools(tmp_path)
-    sbatch = tools / "sbatch"
-    sbatch.write_text(sbatch.read_text().replace("#!/bin/bash\n", "#!/bin/bash\nsleep 1\n", 1))
+    sbatch, go = tools / "sbatch", tmp_path / "go"
+    hold = f'while [ ! -e {go} ]; do sleep 0.05; done; echo "$((1000 + n));cluster"'
+    sbatch.write_text(sbatch.read_text().replace('echo "$((1000 + n));cluster"', hold))
     (tmp_path / "queue").write_text("".join(f"{1000 + n} PENDING\n" for n in range(1, 7)))  # every job stays queued
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "slurm.sweep", "table5_noise", f"cluster.runs_root={tmp_path / 'runs'}",
            "trainer.max_steps=4"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=timeout_s(300)) for p in procs]
+    errs = [tmp_path / f"err{i}" for i in range(2)]
+    procs = []
+    for err in errs:
+        with err.open("w") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=f, text=True))
+    try:
+        deadline = time.monotonic() + timeout_s(300)
+        while not any("waiting: another sweep command is submitting" in e.read_text() for e in errs):
+            calls = (tmp_path / "sbatch.log").read_text().splitlines() if (tmp_path / "sbatch.log").is_file() else []
+            assert len(calls) <= 1, f"both commands submitted at once: {calls}"
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                [e.read_text()[-2000:] for e in errs]
+            time.sleep(0.05)
+    finally:
+        go.touch()
+    outs = [(p.communicate(timeout=timeout_s(300))[0], e.read_text()) for p, e in zip(procs, errs)]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert len((tmp_path / "sbatch.log").read_text().splitlines()) == 3
     assert sorted(len(_submitted(out)) for out, _ in outs) == [0, 3]
-    assert any("waiting: another sweep command is submitting" in err for _, err in outs)
 
 
 def _tools_dir(tmp: Path, name: str, sbatch: str | None) -> Path:
@@ -304,11 +321,17 @@ def test_a_sweep_stopped_while_sbatch_runs_records_the_accepted_job(tmp_path: Pa
     job is recorded: the next sweep command sees it and does not submit the run twice."""
     tools = fake_tools(tmp_path)
     sbatch = tools / "sbatch"
-    stop = f"#!/bin/bash\nkill -{int(signum)} $PPID; sleep 0.5\n"  # the signal reaches the sweep mid-submission
+    # kill(2) has made the signal pending on the sweep before sbatch goes on to accept the job: it arrives
+    # mid-submission however the two processes are scheduled
+    stop = f"#!/bin/bash\nkill -{int(signum)} $PPID\n"
     sbatch.write_text(sbatch.read_text().replace("#!/bin/bash\n", stop))
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     runs = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "slurm.sweep", "table5_noise", f"cluster.runs_root={runs}",
+    # the sweep starts with the signal's default action, as from a terminal: a test run under nohup (SIGHUP
+    # ignored) or a runner that ignores SIGTERM would hand its children that disposition, which the sweep keeps
+    start = f"import runpy, signal; signal.signal({int(signum)}, signal.SIG_DFL); runpy.run_module('slurm.sweep', " \
+            "run_name='__main__', alter_sys=True)"
+    proc = subprocess.run([sys.executable, "-c", start, "table5_noise", f"cluster.runs_root={runs}",
                            "trainer.max_steps=4"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout_s(120))
     assert proc.returncode == -signum, proc.stderr[-2000:]
@@ -351,15 +374,17 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, shards: list[s
     steps: the same global batch, so the losses agree to FP32 rounding."""
     common = [*TOY, *shards, "trainer.max_steps=2"]
     one = subprocess.run([sys.executable, "-m", "slurm.launch", "train.py", *common, f"run_dir={tmp_path / 'one'}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s(300))
+                         cwd=ROOT, env=_env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                         timeout=timeout_s(300))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
+    port = free_port()  # the job id whose rendezvous port (20000 + id % 20000) is this free one
+    slurm = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
     nodes = [subprocess.Popen([sys.executable, "-m", "slurm.launch", "--nproc-per-node", "1", "train.py", *common,
                                f"run_dir={tmp_path / 'two'}"], cwd=ROOT, env=_env(**slurm, SLURM_NODEID=str(n)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outs = [p.communicate(timeout=timeout_s(300))[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert "node 1/2, 1 process(es), world 2, master localhost:24242" in outs[1]
+    assert f"node 1/2, 1 process(es), world 2, master localhost:{port}" in outs[1]
     assert "2 process(es) x 1 accumulation" in outs[0]
     l1, l2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(l1) == len(l2) == 2 and l1 == pytest.approx(l2, rel=1e-5, abs=0)
@@ -371,10 +396,12 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
     tools = fake_tools(tmp_path)
     runs = tmp_path / "runs"
     job = Job("test", "train", "toy", 0, runs / "toy", tuple([*TOY, *shards, f"run_dir={runs / 'toy'}",
-                                                              "trainer.max_steps=400", "trainer.ckpt_every=0"]))
+                                                              f"trainer.max_steps={ENDLESS}",
+                                                              "trainer.ckpt_every=0"]))
     script = tmp_path / "job.sbatch"
     script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
-    env = _env(SLURM_JOB_ID="4343", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+    job_id = str(free_port())  # its rendezvous port (20000 + id % 20000) is free
+    env = _env(SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
                PATH=f"{tools}:{os.environ['PATH']}")
     metrics = runs / "toy" / "metrics.jsonl"
 
@@ -390,7 +417,7 @@ def test_requeued_job_resumes_its_checkpoint(tmp_path: Path, shards: list[str]) 
 
     rc, out = run_until(2)
     assert rc == 75, out[-3000:]
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4343"]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", job_id]
     saved = len(_losses(runs / "toy"))
     rc, out = run_until(saved + 2)
     assert rc == 75 and "resumed from" in out, out[-3000:]
@@ -461,11 +488,12 @@ def test_a_job_killed_before_its_first_checkpoint_starts_over_when_run_again(tmp
     set aside) instead of stopping to ask for ``resume=restart``."""
     tools = fake_tools(tmp_path)
     run = tmp_path / "runs" / "toy"
-    job = Job("test", "train", "toy", 0, run, tuple([*TOY, *shards, f"run_dir={run}", "trainer.max_steps=400",
-                                                     "trainer.ckpt_every=300"]))
+    job = Job("test", "train", "toy", 0, run, tuple([*TOY, *shards, f"run_dir={run}",
+                                                     f"trainer.max_steps={2 * ENDLESS}",
+                                                     f"trainer.ckpt_every={ENDLESS}"]))
     script = tmp_path / "job.sbatch"
     script.write_text(plan(job, load_cluster(["gpus_per_node=1", "nodes=1"])).script)
-    env = _env(SLURM_JOB_ID="4444", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
+    env = _env(SLURM_JOB_ID=str(free_port()), SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0",
                PATH=f"{tools}:{os.environ['PATH']}")
     metrics = run / "metrics.jsonl"
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import timeout_s
 from test_slurm import fake_tools
 
 import slurm.jobs
@@ -22,6 +23,9 @@ BASE_PATH = os.environ["PATH"]
 RUNS = ("table5_learned", "table5_fixed_r", "table5_fixed_r_omega")
 NOT_QUEUED = 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'
 NO_CONTROLLER = 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1'
+# that limit: what a hung query costs, and ample time for a fake that answers (a bash script) on a loaded machine
+QUERY_S = timeout_s(0.5)
+HUNG = f"exec sleep {30 * QUERY_S:g}"  # a squeue that does not answer within the limit, whatever the suite's factor
 
 
 def tools(tmp: Path, name: str, monkeypatch: pytest.MonkeyPatch, **bodies: str) -> None:
@@ -63,10 +67,10 @@ def test_a_training_sweep_refuses_while_a_jobs_state_is_unknown(
         case: str, submitted: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture) -> None:
     bodies = {"squeue missing, sacct empty": {"sacct": "exit 0"},
-              "squeue not answering, sacct empty": {"squeue": "exec sleep 30", "sacct": "exit 0"},
+              "squeue not answering, sacct empty": {"squeue": HUNG, "sacct": "exit 0"},
               "squeue failing, sacct missing": {"squeue": NO_CONTROLLER},
               "neither on PATH": {}}[case]
-    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", QUERY_S)
     tools(tmp_path, "now", monkeypatch, **bodies)
     assert ("squeue" in bodies) == (shutil.which("squeue") is not None)
     assert ("sacct" in bodies) == (shutil.which("sacct") is not None)
@@ -89,13 +93,13 @@ def test_a_training_sweep_refuses_while_a_jobs_state_is_unknown(
     ({"squeue": "exit 0"}, {}),  # squeue answers with nothing, and there is no accounting
     ({"sacct": 'case "$4" in 1001) echo RUNNING;; 1002) echo PENDING;; *) echo "CANCELLED by 0";; esac'},
      {"1001": "running", "1002": "pending"}),  # squeue missing: sacct knows every job
-    ({"squeue": "exec sleep 30", "sacct": 'case "$4" in 1001) echo RUNNING;; *) echo FAILED;; esac'},
+    ({"squeue": HUNG, "sacct": 'case "$4" in 1001) echo RUNNING;; *) echo FAILED;; esac'},
      {"1001": "running"}),  # squeue not answering: sacct knows every job
 ])
 def test_a_scheduler_that_answers_lets_ended_runs_be_resubmitted(
         bodies: dict[str, str], live: dict[str, str], submitted: list[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", QUERY_S)
     tools(tmp_path, "now", monkeypatch, **bodies)
     assert sweep_main(submitted) == 0
     out = capsys.readouterr().out
@@ -128,9 +132,9 @@ def test_an_eval_sweep_refuses_while_an_evaluations_state_is_unknown(
 def test_scheduler_state_tells_unknown_from_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``None``: squeue answered that the job is not queued and sacct has no record; :data:`UNKNOWN`: nothing
     answered; a state wherever one answered."""
-    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(slurm.jobs, "QUERY_TIMEOUT_S", QUERY_S)
     cases = [({}, UNKNOWN), ({"squeue": "exit 0"}, None), ({"squeue": NOT_QUEUED}, None),
-             ({"squeue": NO_CONTROLLER, "sacct": "exit 0"}, UNKNOWN), ({"squeue": "exec sleep 30"}, UNKNOWN),
+             ({"squeue": NO_CONTROLLER, "sacct": "exit 0"}, UNKNOWN), ({"squeue": HUNG}, UNKNOWN),
              ({"squeue": "echo RUNNING", "sacct": "exit 1"}, "RUNNING"),
              ({"squeue": NO_CONTROLLER, "sacct": "echo COMPLETED+"}, "COMPLETED"),
              ({"squeue": "exit 0", "sacct": 'echo "slurmdbd: down" >&2; exit 1'}, None)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,28 +17,44 @@ from trainer.preemption import REQUEUE_EXIT_CODE
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _importing_torch(pid: int) -> bool:
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
+# train.py as ``python train.py`` runs it, with its first import of torch held until the test has sent the signal
+# and closed stdin: the signal arrives during the imports however the two processes are scheduled
+GATED = """
+import runpy, sys
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc to see the imports progress")
+class Gate:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("importing torch", flush=True)
+            sys.stdin.read()
+
+
+sys.meta_path.insert(0, Gate())
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_during_the_imports_exits_75(sig: signal.Signals) -> None:
     # a bad key: a process that got past its imports would exit 1 with a config error instead
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "train.py", "trainer.max_stepz=1"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while not _importing_torch(proc.pid):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-2000:]
-        time.sleep(0.01)
+    proc = subprocess.Popen([sys.executable, "-c", GATED, "trainer.max_stepz=1"], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, deadline = b"", time.monotonic() + timeout_s(60)
+    while b"importing torch\n" not in out:
+        ready = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]
+        chunk = os.read(proc.stdout.fileno(), 65536) if ready else b""
+        if not chunk:
+            proc.kill()
+        assert chunk, f"train.py never imported torch: {(out + proc.communicate()[0])[-2000:]!r}"
+        out += chunk
     proc.send_signal(sig)
-    out = proc.communicate(timeout=timeout_s(120))[0]
-    assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:]
-    assert "max_stepz" not in out
+    text = (out + proc.communicate(timeout=timeout_s(120))[0]).decode()
+    assert proc.returncode == REQUEUE_EXIT_CODE, text[-2000:]
+    assert "max_stepz" not in text
 
 
 def _sbatch(tmp_path: Path, srun_body: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import timeout_s
+from conftest import free_port, timeout_s
 from hydra import compose, initialize_config_dir
 
 from trainer.config import TrainConfig, load_config
@@ -188,11 +188,14 @@ def _cli(args: list[str], **kw: object) -> subprocess.Popen:
 
 def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: list[str]) -> None:
     run = tmp_path / "pre"
-    args = ["train.py", *TOY, *shards, f"run_dir={run}", "trainer.max_steps=200", "trainer.eval_every=0",
+    # more steps than the toy takes within the test's time limits: the signal, not the end, stops it however
+    # slowly this process polls
+    steps = 10 ** 9
+    args = ["train.py", *TOY, *shards, f"run_dir={run}", f"trainer.max_steps={steps}", "trainer.eval_every=0",
             "trainer.ckpt_every=0"]
     proc = _cli(args)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
+    deadline = time.time() + timeout_s(240)
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
@@ -202,7 +205,7 @@ def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: lis
     (ckpt,) = (run / "checkpoints").iterdir()
     saved = json.loads((ckpt / "train_state.json").read_text())["step"]
     logged = [r["step"] for r in records(run)[0]]
-    assert 2 <= saved < 200 and logged[-1] == saved  # saved right after the step the signal interrupted
+    assert 2 <= saved < steps and logged[-1] == saved  # saved right after the step the signal interrupted
     overrides = (run / ".hydra" / "overrides.yaml").read_text()  # Hydra's record of the accepted command
     assert overrides.startswith("- model=toy\n") and "stop_after" not in overrides
     # the requeued job resumes from that step
@@ -225,8 +228,8 @@ def test_two_process_ddp_matches_one_process_accumulation(tmp_path: Path, shards
               "trainer.export=false"]
     one = run_train([*common, f"run_dir={tmp_path / 'one'}"])
     assert one["finished"]
-    proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "train.py", *common,
-                 f"run_dir={tmp_path / 'two'}", "trainer.stop_after=2"])
+    proc = _cli(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py",
+                 *common, f"run_dir={tmp_path / 'two'}", "trainer.stop_after=2"])
     out = proc.communicate(timeout=timeout_s(300))[0]
     assert proc.returncode == 0, out[-3000:]
     assert "2 process(es) x 1 accumulation" in out

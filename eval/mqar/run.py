@@ -295,14 +295,21 @@ def run_grid(cfg: MQARConfig, log: Any = print) -> tuple[list[dict[str, Any]], l
     args = [(group, str(device), str(out), cfg.threads, commit, cfg.graphs, cfg.curve) for group in tasks]
     t0, stored_before, stopped = time.perf_counter(), len(results), None
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    # one process per group: a CUDA fault is sticky in its process, so it fails that group alone, and a finished
-    # group's graph pools and cached blocks go back to the GPU with its process
-    pool = torch.multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) if workers > 1 else None
     # SIGTERM (a scheduler's time limit, `timeout`) would end this process without unwinding, and the workers,
-    # orphaned, would train on beside the next run; as an exception it reaches the pool's clean-up below
+    # orphaned, would train on beside the next run; as an exception it reaches the pool's clean-up below. While the
+    # pool starts it is held (raised then, it would leave the workers started so far to no one) and acts after.
     main = threading.current_thread() is threading.main_thread()
-    on_term = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    held: list[int] = []
+    on_term = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum)) if main else None
+    pool = None
     try:
+        # one process per group: a CUDA fault is sticky in its process, so it fails that group alone, and a
+        # finished group's graph pools and cached blocks go back to the GPU with its process
+        pool = torch.multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) if workers > 1 else None
+        if main:
+            signal.signal(signal.SIGTERM, _exit_on_signal)  # runs the held handler first for a signal pending now
+            if held:
+                _exit_on_signal(held[0], None)
         done_iter = map(_run_group, args) if pool is None else pool.imap_unordered(_run_group, args)
         i = 0
         for batch in done_iter:

@@ -4,8 +4,7 @@ Both share KDA's front end (:class:`kdn.modules.DeltaFrontEnd`) and differ only 
 process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``. The kernels'
 settings are constructor arguments: ``fused`` (the fused CUDA front end), ``recompute_states`` (the memory's backward
 recomputes its states), ``precision`` (the CUDA memory's, ``"bf16"`` or ``"fp32"``: docs/kernels.md, "Precision")
-and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route, :func:`kdn.ops.diagonal_kdn`) and
-``one_pass_gain`` (the CUDA gain in one launch a direction).
+and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route, :func:`kdn.ops.diagonal_kdn`).
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ class _KalmanDelta(nn.Module):
         mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
         conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
         backend: str | None = None, fused: bool = True, recompute_states: bool = False, memory: str = "asym",
-        chunk_size: int | None = None, precision: str = "bf16", one_pass_gain: bool = False,
+        chunk_size: int | None = None, precision: str = "bf16",
     ) -> None:
         super().__init__()
         check_memory(memory, chunk_size)
@@ -43,12 +42,9 @@ class _KalmanDelta(nn.Module):
         if self.isotropic and (memory, chunk_size) not in (("asym", None), ("asym", 64)):
             raise ValueError(f"IsotropicKDN runs the asymmetric memory only; drop memory={memory!r} / "
                              f"chunk_size={chunk_size!r}")
-        for name, flag in (("fused", fused), ("recompute_states", recompute_states), ("one_pass_gain", one_pass_gain)):
+        for name, flag in (("fused", fused), ("recompute_states", recompute_states)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if self.isotropic and one_pass_gain:
-            raise ValueError("one_pass_gain is a setting of DiagonalKDN's gain; drop it for IsotropicKDN")
-        self.one_pass_gain = one_pass_gain
         self.fused, self.recompute_states, self.memory, self.chunk_size = fused, recompute_states, memory, chunk_size
         if noise not in NOISE_CHOICES:
             raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {noise!r}")
@@ -160,8 +156,7 @@ class _KalmanDelta(nn.Module):
                 fn = partial(api.isotropic_kdn, recompute_states=self.recompute_states, precision=self.precision)
             else:
                 fn = partial(api.diagonal_kdn, memory=self.memory, chunk_size=self.chunk_size,
-                             recompute_states=self.recompute_states, precision=self.precision,
-                             one_pass_gain=self.one_pass_gain)
+                             recompute_states=self.recompute_states, precision=self.precision)
             o, final = fn(q, k, v, g, omega, r, mu=self.mu(), initial_state=state, scale=scale,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, backend=self.backend,
                           validate=False, omega_softplus=logits,  # valid by construction: g <= 0, r >= 0.01

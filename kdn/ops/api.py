@@ -120,14 +120,12 @@ def _run(
     mu: float | Tensor | None, initial_state: State | None, output_final_state: bool,
     cu_seqlens: Tensor | None, backend: str | None, validate: bool, scale: float, omega_softplus: bool,
     gate: tuple[Tensor, Tensor] | None, memory: str, chunk_size: int | None, recompute_states: bool, precision: str,
-    one_pass_gain: bool = False,
 ) -> tuple[Tensor, State | None]:
     isotropic = kind == "isotropic"
     check_memory(memory, chunk_size)
     check_precision(precision, memory)
-    for name, flag in (("recompute_states", recompute_states), ("one_pass_gain", one_pass_gain)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(recompute_states, bool):
+        raise ValueError(f"recompute_states must be True or False, got {recompute_states!r}")
     B, T, H, K, V = _check_inputs(q, k, v, g, omega, r, isotropic)
     if gate is not None:
         if not isinstance(gate, (tuple, list)) or len(gate) != 2:
@@ -181,7 +179,7 @@ def _run(
         else:
             run = partial(_triton.chunk_diagonal_kdn, memory=memory, chunk_size=chunk_size,
                           recompute_states=recompute_states, omega_softplus=fused_softplus,
-                          gate=gate if fused_gate else None, precision=precision, one_pass_gain=one_pass_gain)
+                          gate=gate if fused_gate else None, precision=precision)
         # a zero initial memory travels as None: the memory kernels then skip reading it
         args, state = [q, k, v, g, omega, r], (None if S0 is None else S0.float(), p0.float())
         mu_t = mu_t.float()
@@ -232,7 +230,6 @@ def diagonal_kdn(
     chunk_size: int | None = None,
     recompute_states: bool = False,
     precision: str = "bf16",
-    one_pass_gain: bool = False,
 ) -> tuple[Tensor, State | None]:
     """Diagonal KDN (docs/math.md §3): per-channel uncertainty ``p [K]`` per head, gain ``kappa`` on the write side.
 
@@ -262,8 +259,6 @@ def diagonal_kdn(
         precision: the CUDA memory's, ``"bf16"`` (operands and gain in the inputs' dtype, bf16 from the layers; the
             faster) or ``"fp32"`` (FP32 operands and gain, TF32x3 dots; ``memory="asym"`` only): docs/kernels.md,
             "Precision". Checked on every backend, used by ``"triton"`` (the PyTorch path computes in FP32).
-        one_pass_gain: the CUDA gain in one launch a direction, each input read once
-            (:mod:`kdn.ops.triton.gain_lookback`); used by ``"triton"``.
 
     Returns:
         ``o [B,T,H,V]`` in ``v``'s dtype and, if ``output_final_state``, the final ``(S, p)`` (else ``None``).
@@ -278,7 +273,7 @@ def diagonal_kdn(
                                      output_final_state=True)
     """
     return _run("diagonal", q, k, v, g, omega, r, mu, initial_state, output_final_state, cu_seqlens, backend,
-                validate, scale, omega_softplus, gate, memory, chunk_size, recompute_states, precision, one_pass_gain)
+                validate, scale, omega_softplus, gate, memory, chunk_size, recompute_states, precision)
 
 
 def isotropic_kdn(

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kdn.ops.triton.gain_lookback import lookback_bwd_launch, lookback_fwd_launch, lookback_segments
 from kdn.ops.triton.utils import (
     _DIAG_WARPS,
     _chan,
@@ -336,35 +335,29 @@ def _diag_tiles(H: int, K: int, cu_seqlens: Tensor | None) -> dict[str, int | bo
 def _diag_gain_fwd(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype, emit_ab: bool,
     cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, A_log: Tensor | None = None,
-    segment_size: int | None = None, one_pass: bool = False,
+    segment_size: int | None = None,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
     """The Diagonal gain's forward launches: ``((kappa, [a, b,] p_T), saved)``, ``saved`` what
     :func:`_diag_gain_bwd` takes (``k``, FP32 gates, the carries ``[N*H, NS, K]``, ``cu_seqlens``, ``A_log``).
     ``A_log [H]``: ``g`` is the output of KDA's gate with these ``A_log`` (:func:`kdn.ops.triton.gate.kda_gate_fwd`),
     whose backward the gain's takes on (:func:`_diag_gain_bwd`). ``segment_size``: as in
-    :func:`kdn.ops.triton.utils.gain_segments`. ``one_pass``: one launch instead
-    (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size`` as in its ``lookback_segments``), whose backward must be
-    one pass too."""
+    :func:`kdn.ops.triton.utils.gain_segments`."""
     B, T, H, K = k.shape
     k = k.contiguous()
     omega = omega.contiguous() if omega_softplus else omega.float().contiguous()
     g, r, mu, p0 = (x.float().contiguous() for x in (g, r, mu, p0))
-    SEG, NS = lookback_segments(L, segment_size) if one_pass else gain_segments(False, N * H, L, segment_size)
+    SEG, NS = gain_segments(False, N * H, L, segment_size)
     kappa = k.new_empty(B, T, H, K, dtype=out_dtype)
     a, b = (torch.empty_like(kappa), torch.empty_like(kappa)) if emit_ab else (kappa, kappa)
     carry = p0.new_empty(N * H, NS, K)
     pT = torch.empty_like(p0)
-    if one_pass:
-        lookback_fwd_launch(k, g, omega, r, mu, p0, carry, kappa, a, b, pT, cu_seqlens, L, SEG, emit_ab,
-                            omega_softplus)
-    else:
-        seg = p0.new_empty(N * H, NS, 4, K)
-        tiles = _diag_tiles(H, K, cu_seqlens)
-        act = {"OMEGA_SOFTPLUS": omega_softplus}
-        _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
-        _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
-        _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
-                                           EMIT_AB=emit_ab, **tiles, **act)
+    seg = p0.new_empty(N * H, NS, 4, K)
+    tiles = _diag_tiles(H, K, cu_seqlens)
+    act = {"OMEGA_SOFTPLUS": omega_softplus}
+    _diag_seg_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, seg, cu_seqlens, L, NS, SEG, **tiles, **act)
+    _diag_carry_fwd_kernel[(N * H,)](seg, p0, carry, pT, cu_seqlens, L, NS, SEG, **tiles)
+    _diag_gain_fwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, kappa, a, b, cu_seqlens, L, NS, SEG,
+                                       EMIT_AB=emit_ab, **tiles, **act)
     saved = (k, g, omega, r, mu, carry, cu_seqlens, None if A_log is None else A_log.float().contiguous())
     return (kappa, a, b, pT) if emit_ab else (kappa, pT), saved
 
@@ -373,7 +366,6 @@ def _diag_gain_bwd(
     saved: tuple[Tensor | None, ...], grads: tuple[Tensor, ...], emit_ab: bool, N: int, L: int,
     omega_softplus: bool, need_dmu: bool, mem_grads: tuple[Tensor, Tensor] | None = None,
     f_dtype: torch.dtype = torch.float32, segment_size: int | None = None, mem_dg_chunk: int = 0,
-    one_pass: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """The Diagonal gain's backward launches: ``(dk, dg, domega, dr, dmu, dp0, dgate)`` from ``saved``
     (:func:`_diag_gain_fwd`) and the gradients of its outputs ``grads = (dkappa, [da, db,] dp_T)``.
@@ -383,11 +375,11 @@ def _diag_gain_bwd(
     each sequence's start) are the gradient, summed in that launch. ``dmu`` is ``None``
     unless ``need_dmu``. When ``g`` came from KDA's gate (``A_log`` saved, :func:`_diag_gain_fwd`), ``dg`` is that of
     the gate's input ``f`` (in ``f_dtype``) and ``dgate = (dA_log [H], ddt_bias [H*K])`` (FP32); ``None`` otherwise.
-    ``segment_size``, ``one_pass``: the forward's."""
+    ``segment_size``: the forward's."""
     k, g, omega, r, mu, carry, cu_seqlens, A_log = saved
     gate = A_log is not None
     H, K = k.shape[2:]
-    SEG, NS = lookback_segments(L, segment_size) if one_pass else gain_segments(False, N * H, L, segment_size)
+    SEG, NS = gain_segments(False, N * H, L, segment_size)
     dkappa, *rest, dpT = (x.contiguous() for x in grads)
     da, db = rest if emit_ab else (dkappa, dkappa)
     dk_mem, dg_mem = (x.contiguous() for x in mem_grads) if mem_grads is not None else (dkappa, dkappa)
@@ -398,23 +390,19 @@ def _diag_gain_bwd(
     dp0 = carry.new_empty(N, H, K)
     dmu = carry.new_empty(N, H, NS)
     dA, dbias = (carry.new_empty(N, H, NS), carry.new_empty(N, H, NS, K)) if gate else (dmu, dmu)
-    outs = (dk, dg, dw, dr, dmu, dp0, dA, dbias)
     flags = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus, "GATE": gate, "ACCUMULATE": mem_grads is not None,
              "DG_CHUNK": mem_dg_chunk if mem_grads is not None else 0}
-    if one_pass:
-        lookback_bwd_launch(saved, (dkappa, da, db, dpT.float().contiguous(), dk_mem, dg_mem), outs, L, SEG, flags)
-    else:
-        post = torch.empty_like(g)
-        seg = carry.new_empty(N * H, NS, 2, K)
-        lam = torch.empty_like(carry)
-        tiles = _diag_tiles(H, K, cu_seqlens)
-        act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
-        _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
-                                          SEG, **tiles, **act)
-        _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
-        _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da,
-                                           db, dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
-                                           **tiles, **flags)
+    post = torch.empty_like(g)
+    seg = carry.new_empty(N * H, NS, 2, K)
+    lam = torch.empty_like(carry)
+    tiles = _diag_tiles(H, K, cu_seqlens)
+    act = {"EMIT_AB": emit_ab, "OMEGA_SOFTPLUS": omega_softplus}
+    _diag_seg_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, carry, dkappa, db, post, seg, cu_seqlens, L, NS,
+                                      SEG, **tiles, **act)
+    _diag_carry_bwd_kernel[(N * H,)](seg, dpT.float(), lam, dp0, cu_seqlens, L, NS, SEG, **tiles)
+    _diag_gain_bwd_kernel[(N * H, NS)](k, g, omega, r, mu, A_log if gate else mu, carry, post, lam, dkappa, da,
+                                       db, dk_mem, dg_mem, dk, dg, dw, dr, dmu, dA, dbias, cu_seqlens, L, NS, SEG,
+                                       **tiles, **flags)
     dgate = (dA.sum((0, 2)), dbias.sum((0, 2)).view(-1)) if gate else None
     return dk, dg, dw, dr, dmu.sum((0, 2)) if need_dmu else None, dp0, dgate
 
@@ -425,35 +413,32 @@ class _DiagonalGain(torch.autograd.Function):
     Each direction is three launches: the segments' compositions on a ``(N*H, NS)`` grid, the walk over the
     segments (``N*H`` programs), then the segments again. ``N`` sequences (the batch rows, or the packed
     sequences of ``cu_seqlens``), ``NS`` from the longest ``L``. The forward keeps the segments' entering carries;
-    the backward holds every token's ``p`` in a transient FP32 ``[B,T,H,K]`` buffer. With ``one_pass``, each
-    direction is one launch (:mod:`kdn.ops.triton.gain_lookback`) and no per-token buffer.
+    the backward holds every token's ``p`` in a transient FP32 ``[B,T,H,K]`` buffer.
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
         p0: Tensor, out_dtype: torch.dtype, emit_ab: bool, cu_seqlens: Tensor | None, N: int, L: int,
-        omega_softplus: bool, segment_size: int | None, one_pass: bool,
+        omega_softplus: bool, segment_size: int | None,
     ) -> tuple[Tensor, ...]:
         outs, saved = _diag_gain_fwd(k, g, omega, r, mu, p0, out_dtype, emit_ab, cu_seqlens, N, L, omega_softplus,
-                                     segment_size=segment_size, one_pass=one_pass)
+                                     segment_size=segment_size)
         ctx.save_for_backward(*saved)
         ctx.emit_ab, ctx.seqs, ctx.omega_softplus, ctx.segment_size = emit_ab, (N, L), omega_softplus, segment_size
-        ctx.one_pass = one_pass
         return outs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         dk, dg, dw, dr, dmu, dp0, _ = _diag_gain_bwd(ctx.saved_tensors, grads, ctx.emit_ab, *ctx.seqs,
                                                      ctx.omega_softplus, ctx.needs_input_grad[4],
-                                                     segment_size=ctx.segment_size, one_pass=ctx.one_pass)
-        return dk, dg, dw, dr, dmu, dp0, *(None,) * 8
+                                                     segment_size=ctx.segment_size)
+        return dk, dg, dw, dr, dmu, dp0, *(None,) * 7
 
 
 def diagonal_gain(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
     *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False, segment_size: int | None = None,
-    one_pass: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Fused Triton Diagonal gains: ``kappa [B,T,H,K]`` in ``out_dtype`` and ``p_T [N,H,K]`` (FP32).
 
@@ -462,8 +447,7 @@ def diagonal_gain(
     packed sequences along T, ``B = 1``) the number of sequences, each with its own ``p0`` and ``p_T``.
     ``omega_softplus``: ``omega`` holds the process noise before its softplus (any float dtype), applied in the
     kernels (FP32), which saves a pass over ``[B,T,H,K]`` each way. ``segment_size``: tokens per segment of the
-    sequence-parallel scan instead of :func:`kdn.ops.triton.utils.gain_segments`' rule. ``one_pass``: one launch a
-    direction, each input read once (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size`` 16, 32 or 64).
+    sequence-parallel scan instead of :func:`kdn.ops.triton.utils.gain_segments`' rule.
     Differentiable in every tensor input.
 
     Example::
@@ -472,16 +456,15 @@ def diagonal_gain(
     """
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
     return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, False, cu_seqlens, N, L, omega_softplus,
-                               segment_size, one_pass)
+                               segment_size)
 
 
 def diagonal_gain_dplr(
     k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor, out_dtype: torch.dtype = torch.float32,
     *, cu_seqlens: Tensor | None = None, omega_softplus: bool = False, segment_size: int | None = None,
-    one_pass: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`diagonal_gain` plus fla's DPLR operands from the same kernel: ``(kappa, a = exp(g) k, b = -kappa,
     p_T)``, the first three ``[B,T,H,K]`` in ``out_dtype``."""
     N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
     return _DiagonalGain.apply(k, g, omega, r, mu, p0, out_dtype, True, cu_seqlens, N, L, omega_softplus,
-                               segment_size, one_pass)
+                               segment_size)

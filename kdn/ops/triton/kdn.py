@@ -51,18 +51,17 @@ class _DiagonalKDN(torch.autograd.Function):
         r: Tensor, mu: Tensor, p0: Tensor, S0: Tensor | None, scale: float, output_final_state: bool,
         cu_seqlens: Tensor | None, N: int, L: int, omega_softplus: bool, recompute_states: bool,
         segment_size: int | None, A_log: Tensor | None, dt_bias: Tensor | None, precise: bool = False,
-        one_pass: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         ctx.f_dtype = g.dtype
         g, gc, check = _gate_pass(g, A_log, dt_bias, cu_seqlens)
         (kappa, pT), gain = _diag_gain_fwd(k, g, omega, r, mu, p0, q.dtype, False, cu_seqlens, N, L, omega_softplus,
-                                           A_log, segment_size, one_pass)
+                                           A_log, segment_size)
         o, S, mem, ctx.safe = _asym_memory_fwd(q, k.to(q.dtype), kappa, v, g, None, S0, scale, output_final_state,
                                                cu_seqlens, check, gc, recompute_states, precise)
         ctx.save_for_backward(*gain, *mem)
         ctx.precise = precise
         ctx.n_gain, ctx.seqs, ctx.omega_softplus, ctx.scale = len(gain), (N, L), omega_softplus, scale
-        ctx.segment_size, ctx.one_pass = segment_size, one_pass
+        ctx.segment_size = segment_size
         return o, S, pT
 
     @staticmethod
@@ -75,9 +74,9 @@ class _DiagonalKDN(torch.autograd.Function):
                                                                       ctx.precise, dg_chunk_sums=False)
         dk, dg, dw, dr, dmu, dp0, dgate = _diag_gain_bwd(saved[:n], (dkappa, dpT), False, *ctx.seqs,
                                                          ctx.omega_softplus, ctx.needs_input_grad[6], (dk_mem, dg_mem),
-                                                         ctx.f_dtype, ctx.segment_size, ASYM_CHUNK, ctx.one_pass)
+                                                         ctx.f_dtype, ctx.segment_size, ASYM_CHUNK)
         dA, dbias = dgate if dgate is not None else (None, None)
-        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 8, dA, dbias, None, None
+        return dq, dk, dv, dg, dw, dr, dmu, dp0, dS0, *(None,) * 8, dA, dbias, None
 
 
 class _IsotropicKDN(torch.autograd.Function):
@@ -142,7 +141,7 @@ def chunk_diagonal_kdn(
     initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
     cu_seqlens: Tensor | None = None, omega_softplus: bool = False, gate: tuple[Tensor, Tensor] | None = None,
     memory: str = "asym", chunk_size: int | None = None, recompute_states: bool = False,
-    segment_size: int | None = None, precision: str = "bf16", one_pass_gain: bool = False,
+    segment_size: int | None = None, precision: str = "bf16",
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor]]:
     """Diagonal KDN on CUDA (docs/math.md §3, §6): the fused Triton gain + fla's asymmetric chunk-64 kernels
     (``memory="asym"``) or fla's DPLR chunk kernel (``memory="dplr"``, ``chunk_size`` 16 or 32).
@@ -159,8 +158,6 @@ def chunk_diagonal_kdn(
         recompute_states: the ``"asym"`` backward recomputes the WY terms and chunk states instead of keeping them.
         segment_size: tokens per segment of the gain's sequence-parallel scan (default: the rule).
         precision: ``"bf16"`` or ``"fp32"`` (the module docstring; ``"fp32"`` with ``memory="asym"``).
-        one_pass_gain: the gain in one launch a direction (:mod:`kdn.ops.triton.gain_lookback`; ``segment_size``
-            16, 32 or 64).
 
     Returns:
         ``o [B,T,H,V]`` and ``(S_T, p_T)`` (``S_T`` is ``None`` unless ``output_final_state``).
@@ -180,7 +177,7 @@ def chunk_diagonal_kdn(
         o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
                                       float(scale), output_final_state, cu_seqlens, N, L, omega_softplus,
                                       bool(recompute_states), segment_size,
-                                      *(gate if gate is not None else (None, None)), precise, bool(one_pass_gain))
+                                      *(gate if gate is not None else (None, None)), precise)
         return o, (S, pT)
     if gate is not None:
         g = kda_gate(g, *gate)
@@ -188,7 +185,7 @@ def chunk_diagonal_kdn(
         raise NotImplementedError("chunk_diagonal_kdn takes cu_seqlens only with memory='asym'; packed sequences go "
                                   "through kdn.ops.api's unpacking for the DPLR memory")
     kappa, a, b, pT = diagonal_gain_dplr(k, g, omega, r, mu, p0, dt, omega_softplus=omega_softplus,
-                                         segment_size=segment_size, one_pass=bool(one_pass_gain))
+                                         segment_size=segment_size)
     o, S = chunk_dplr_delta_rule(
         q=q.to(dt), k=kappa, v=v.to(dt), a=a, b=b, gk=g.float(), scale=scale, chunk_size=chunk,
         initial_state=None if S0 is None else S0.float(), output_final_state=output_final_state,
