@@ -11,6 +11,7 @@ is computing is claimed, so that another skips it (and waits for it at the end) 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import write_json_atomic
+from common import read_jsonl, write_atomic, write_json_atomic
 
 SCHEMA = 1
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
@@ -293,9 +294,22 @@ class ResultsFile:
             results = self._cells_of(old) | {cell: result}
             kept = old.get("settings", {}) if old is not None and self._ours(old) else {}
             doc = payload(results, _merge_settings(kept, self.settings))
-            samples.write_cell(cell, rows, set(results))
-            write_json_atomic(self.path, doc)
+            try:
+                samples.write_cell(cell, rows, set(results))
+                write_json_atomic(self.path, doc)
+            except OSError as e:
+                raise ValueError(_write_failed(e, self.path, cell)) from None
         return doc
+
+
+def _write_failed(e: OSError, path: Path, cell: str) -> str:
+    """One line for a results write that failed: where, why (a full disk, a quota), what is kept, the fix."""
+    where = Path(e.filename) if e.filename else path
+    why = {errno.ENOSPC: f"the disk is full at {where.parent}", errno.EDQUOT: f"the disk quota is exceeded at "
+           f"{where.parent}"}.get(e.errno or 0, f"{e.strerror or e}")
+    return (f"writing {where} failed: {why}; the cell {cell} is not recorded and the cells already in {path} are "
+            f"kept; free space there and rerun the command (finished cells are reused), or pass out_dir=<a folder "
+            "on a disk with room>")
 
 
 class SampleLog:
@@ -312,10 +326,17 @@ class SampleLog:
             return
         kept = []
         if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and (name := json.loads(line)["cell"]) != cell and name in cells]
-        lines = kept + ([json.dumps({"cell": cell, **r}) for r in rows] if self.enabled else [])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, self.path)
+            way_out = ("or move the file away: it holds only the per-sample records, and a new one is started (the "
+                       "results files are not affected)")
+            try:
+                records = read_jsonl(self.path, on_torn=None)  # written whole by rename: no line is torn
+            except ValueError as e:
+                raise ValueError(f"{e}, {way_out}") from None
+            for record in records:
+                if not isinstance(record, dict) or not isinstance(record.get("cell"), str):
+                    raise ValueError(f"{self.path} holds a record without a cell name ({str(record)[:60]}); repair "
+                                     f"or remove that line, {way_out}")
+            kept = [r for r in records if r["cell"] != cell and r["cell"] in cells]
+        lines = [json.dumps(r) for r in kept] + ([json.dumps({"cell": cell, **r}) for r in rows] if self.enabled
+                                                 else [])
+        write_atomic(self.path, "".join(line + "\n" for line in lines))
