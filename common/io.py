@@ -17,8 +17,8 @@ from typing import Any
 
 
 def temp_name(path: Path) -> Path:
-    """``.<name>.<pid>.<random>.tmp`` beside ``path``: no two writers (processes or threads) share one."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    """``<name>.<pid>.<random>.tmp`` beside ``path``: no two writers (processes or threads) share one."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -83,5 +83,5 @@ def read_jsonl(path: Path | str, on_torn: Callable[[Path, int, str], None] | Non
             if i == len(lines) and on_torn is not None:
                 on_torn(path, i, line)
                 break
-            raise ValueError(f"{path}:{i} is not a JSON record ({e.msg}); repair or remove that line") from None
+            raise ValueError(f"{path}:{i} is not JSON ({e.msg}); repair or remove that line") from None
     return rows

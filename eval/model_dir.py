@@ -11,13 +11,13 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import read_jsonl
 from data.shards import sha256_file
 from eval.results import file_lock, git_commit, sha256_text
 from trainer.checkpoint import (
@@ -279,22 +279,11 @@ def check_context(length: int, limit: int | None, what: str) -> None:
 
 
 def _last_metrics(run_dir: Path) -> dict[str, Any]:
+    """The run's last training record in ``metrics.jsonl`` (``{}`` without one); a torn last line is dropped with a
+    warning, an unreadable line before it is refused in one line."""
     path = run_dir / "metrics.jsonl"
-    last: dict[str, Any] = {}
-    if not path.is_file():
-        return last
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            warnings.warn(f"{path}: skipping the unreadable line {i + 1} (a torn write)", stacklevel=2)
-            continue
-        if "tokens" in rec:
-            last = rec
-    return last
+    rows = read_jsonl(path) if path.is_file() else []
+    return next((r for r in reversed(rows) if isinstance(r, dict) and "tokens" in r), {})
 
 
 def model_metadata(target: Target, model: Any) -> dict[str, Any]:

@@ -73,14 +73,14 @@ def _killed_at(tmp_path: Path, stage: str) -> Path:
 def test_a_writer_killed_before_its_rename_leaves_the_old_content(tmp_path: Path) -> None:
     target = _killed_at(tmp_path, "data")
     assert target.read_bytes() == b"old content\n"
-    (tmp,) = tmp_path.glob(".out.bin.*.tmp")  # the killed writer's data, under a name of its own
+    (tmp,) = tmp_path.glob("out.bin.*.tmp")  # the killed writer's data, under a name of its own
     assert tmp.stat().st_size == NEW
 
 
 def test_a_writer_killed_after_its_rename_leaves_the_whole_new_content(tmp_path: Path) -> None:
     target = _killed_at(tmp_path, "renamed")
     assert target.stat().st_size == NEW and target.read_bytes() == b"N" * NEW
-    assert not list(tmp_path.glob(".out.bin.*.tmp"))
+    assert not list(tmp_path.glob("out.bin.*.tmp"))
 
 
 def test_a_write_that_fails_removes_its_temp_file_and_keeps_the_target(tmp_path: Path,
@@ -109,8 +109,8 @@ def test_read_jsonl_drops_a_torn_last_line_and_refuses_one_before_it(tmp_path: P
     torn: list[tuple[int, str]] = []
     assert read_jsonl(path, on_torn=lambda p, i, text: torn.append((i, text))) == [{"step": 1}, {"step": 2}]
     assert torn == [(4, '{"step": 3, "lo')]
-    with pytest.raises(ValueError, match=rf"^{path}:4 is not a JSON record \(.*\); repair or remove that line$"):
+    with pytest.raises(ValueError, match=rf"^{path}:4 is not JSON \(.*\); repair or remove that line$"):
         read_jsonl(path, on_torn=None)
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=rf"^{path}:2 is not a JSON record"):
+    with pytest.raises(ValueError, match=rf"^{path}:2 is not JSON"):
         read_jsonl(path)

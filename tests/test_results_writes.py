@@ -58,7 +58,7 @@ def test_a_damaged_line_of_the_samples_log_is_one_line_naming_the_file_and_the_w
     with pytest.raises(ValueError) as err:
         _run(tmp_path, ["b@1"], log_samples=log_samples)
     said = str(err.value)
-    assert "\n" not in said and said.startswith(f"{log}:4 is not a JSON record (")
+    assert "\n" not in said and said.startswith(f"{log}:4 is not JSON (")
     assert "or move the file away: it holds only the per-sample records" in said
     assert sorted(json.loads((tmp_path / "ruler.json").read_text())["results"]) == ["a@1"]
     log.unlink()  # the way out it names
