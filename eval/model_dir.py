@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -214,8 +215,9 @@ def _verified_export(hf_dir: Path, run_dir: Path | None) -> tuple[int | None, in
                                   f"a checkpoint (an interrupted export, or one from before exports carried one); "
                                   f"rerun the training command to export it again{elsewhere}")
         if run_dir is not None:
-            log.warning(f"{hf_dir} has no {EXPORT_MANIFEST}: its files are not verified and its step is read from "
-                        f"{run_dir / 'metrics.jsonl'}; rerun the training command to export it with one")
+            warnings.warn(f"{hf_dir} has no {EXPORT_MANIFEST}: its files are not verified and its step is read "
+                          f"from {run_dir / 'metrics.jsonl'}; rerun the training command to export it with one",
+                          stacklevel=3)
         return None
     problem = verify(hf_dir, manifest=EXPORT_MANIFEST)
     if problem is not None:
