@@ -35,7 +35,6 @@ from eval.model_dir import (
     model_metadata,
     resolve,
     training_context,
-    weights_identity,
 )
 from eval.suites import Context, run_beta_eff, run_lm, run_ppl, run_retrieval
 
@@ -68,8 +67,7 @@ def build_context(cfg: EvalConfig) -> Context:
         ("cpu" if cfg.device == "auto" else cfg.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if cfg.dtype == "auto" else cfg.dtype
     batch_size = resolve_batch_size(cfg.batch_size, device)  # a bad value stops the run before the model loads
-    with model_files_unchanged(target.hf_dir):
-        weights = weights_identity(target.hf_dir)
+    with model_files_unchanged(target.hf_dir) as weights:
         model, hf_tok = load_model(target.hf_dir, device=device, dtype=dtype)
     if hf_tok.pad_token_id is None:  # left padding of batched prompts: pad with EOS, masked out
         hf_tok.pad_token = hf_tok.eos_token

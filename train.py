@@ -46,11 +46,20 @@ from accelerate.utils import broadcast_object_list, set_seed  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from common import write_text_atomic  # noqa: E402
 from data import PrepareConfig, TokenLoader, check_tokenizer, load_tokenizer, prepare, read_meta  # noqa: E402
 from data.pipeline import os_error_line  # noqa: E402
+from data.shards import sha256_file  # noqa: E402
 from kdn.modules import cached_weight_casts  # noqa: E402
 from models import build_model, count_flops_per_token  # noqa: E402
-from trainer.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf  # noqa: E402
+from trainer.checkpoint import (  # noqa: E402
+    MANIFEST,
+    Checkpointer,
+    CheckpointError,
+    TrainState,
+    export_hf,
+    export_problem,
+)
 from trainer.config import (  # noqa: E402
     Budget,
     ConfigError,
@@ -73,7 +82,6 @@ from trainer.rundir import (  # noqa: E402
     earlier_training,
     set_aside_records,
     store_fingerprint,
-    write_text_atomic,
 )
 
 log = logging.getLogger("train")
@@ -197,6 +205,9 @@ def _record_run(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer, 
             log.warning(f"resume=restart: {run_dir} starts over from step 0 ({earlier}); the earlier records are "
                         f"kept as {kept or 'they were'}")
         ckpt.remove_stale_temps()
+        if (partial := run_dir / ".tmp_hf").exists():  # an export that was killed; the next export rewrites it
+            log.warning(f"removing {partial}, the remains of an interrupted export")
+            shutil.rmtree(partial)
         write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         store_fingerprint(run_dir, asdict(cfg))
         for name, text in hydra_files.items():
@@ -368,16 +379,36 @@ def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, p
 
     finished = state.step >= budget.total_steps
     export = run_dir / "hf"
-    if finished and cfg.trainer.export and not (already_done and export.is_dir()):
+    stale = _stale_export(accelerator, export, state.step) if finished and already_done and cfg.trainer.export else ""
+    if finished and cfg.trainer.export and (not already_done or stale):
+        if stale:
+            log.warning(f"{export} is not the export of step {state.step}: {stale}; exporting step {state.step}")
         if not weights_finite(accelerator, model, None):
             raise NonFiniteWeightsError(diagnose_weights(accelerator.unwrap_model(model), state.step, prev_lr,
                                                          ckpt.latest()))
-        export_hf(accelerator, model, tokenizer, export)
-        log.info(f"exported the model and tokenizer to {export}")
+        export_hf(accelerator, model, tokenizer, export, _export_record(ckpt.latest(), state))
+        log.info(f"exported the model and tokenizer of step {state.step} to {export}")
     accelerator.end_training()
     accelerator.free_memory()  # a multirun's next job starts from an empty device
     return {"step": state.step, "tokens_seen": state.tokens_seen, "loss": loss, "val_loss": val_loss,
             "finished": finished, "checkpoint": ckpt.latest(), "export": export if export.is_dir() else None}
+
+
+def _stale_export(accelerator: Accelerator, export: Path, step: int) -> str:
+    """Collective: what makes ``export`` other than a whole export of the weights after ``step`` (checked by the
+    main process, which tells the others), ``""`` when it is one."""
+    found = [(export_problem(export, step) or "") if accelerator.is_main_process else ""]
+    if accelerator.num_processes > 1:
+        found = broadcast_object_list(found)
+    return found[0]
+
+
+def _export_record(latest: Path | None, state: TrainState) -> dict[str, Any]:
+    """The ``export.json`` fields of an export of ``state``'s weights: step, tokens, and the checkpoint of that
+    step with its manifest's SHA-256 (``None`` when no checkpoint holds that step)."""
+    same = latest is not None and latest.name == f"step_{state.step:09d}"
+    return {"step": state.step, "tokens": state.tokens_seen, "checkpoint": latest.name if same else None,
+            "manifest_sha256": sha256_file(latest / MANIFEST) if same else None}
 
 
 def discard_unused_run_dir(run_dir: Path) -> bool:

@@ -17,6 +17,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from common import write_atomic
+
 RESULTS = Path(__file__).parent / "results"
 MODEL_750M_TOKENS_PER_S = 60_000
 
@@ -95,13 +97,6 @@ def bench_loader(shard_dir: Path, steps: int, repeats: int) -> list[dict]:
         rows.append({"bench": "loader", "impl": label, "tokens": n, "seconds": sec, "tokens_per_s": n / sec,
                      "x_750m": n / sec / MODEL_750M_TOKENS_PER_S})
     return rows
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -24,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import roofline
+from common import write_atomic
 from eval.results import git_commit
 
 RESULTS = Path(__file__).parent / "results"
@@ -186,13 +186,6 @@ def measure(name: str, B: int, T: int, d: int, H: int, K: int, repeats: int, pre
     if ms_kernel is not None:  # the kernel-only run against the analytic floors (bench.roofline)
         row.update(roofline.achieved(name.split("@")[0], B, T, H, K, K, ms_kernel, torch.cuda.get_device_name()))
     return row
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(text)
-    os.replace(f.name, path)
 
 
 def plot(rows: list[dict], path: Path) -> None:

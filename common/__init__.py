@@ -1,4 +1,7 @@
-"""Helpers every tool shares; a leaf package (it imports nothing of the project)."""
+"""Helpers every tool shares; a leaf package (it imports nothing of the project): atomic file writes, JSON-lines
+reads and typed ``key=value`` options."""
+from common.io import read_jsonl, write_atomic, write_json_atomic, write_text_atomic
 from common.options import OptionError, did_you_mean, from_dict, parse_options, parse_value
 
-__all__ = ["OptionError", "did_you_mean", "from_dict", "parse_options", "parse_value"]
+__all__ = ["OptionError", "did_you_mean", "from_dict", "parse_options", "parse_value", "read_jsonl", "write_atomic",
+           "write_json_atomic", "write_text_atomic"]

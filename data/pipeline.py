@@ -43,7 +43,9 @@ from data.sources import FINEWEB_EDU, SOURCES, DocumentSource, make_source
 from data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer
 
 _VAL_SALT = 0x56414C  # "VAL"
-_OWN_FILE = re.compile(r"^((train|val)-\d{5}\.bin|meta\.json)(\.\d+\.tmp)?$")  # files prepare writes
+# files prepare writes, and the temp files of their atomic writes (``NAME.<pid>.<hex>.tmp``; ``NAME.<pid>.tmp`` of
+# earlier versions)
+_OWN_FILE = re.compile(r"^((train|val)-\d{5}\.bin|meta\.json)(\.\d+(\.[0-9a-f]+)?\.tmp)?$")
 _ENCODE_BATCH = 512
 FILE_SOURCES = ("parquet", "jsonl", "text")  # the sources that read `paths=`
 MIN_VAL_TOKENS = 10_000  # below this a validation loss is mostly noise (about ten 1K-token windows)

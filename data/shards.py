@@ -6,7 +6,8 @@ Layout of a shard directory::
     train-00000.bin ...    token ids of the chunk's training documents, each followed by EOS
     val-00000.bin ...      the chunk's held-out documents (absent when the chunk has none)
 
-Every file is written to `NAME.<pid>.tmp` and renamed when complete, so a crash never leaves a half shard.
+Every file is written through `common.write_atomic` (a temp file beside it, renamed when complete), so a crash
+never leaves a half shard.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from common import write_atomic
 
 if TYPE_CHECKING:
     from data.tokenizer import Tokenizer
@@ -50,36 +53,16 @@ def sha256_file(path: Path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def temp_path(path: Path) -> Path:
-    """`NAME.<pid>.tmp` beside `path` (unique per process)."""
-    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """`data` to a temp file beside `path`, fsync, rename. A failed write (a full disk) removes the temp file and
-    raises an OSError whose filename is `path`, also when the system named no file."""
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-
-
 def write_array(path: Path, tokens: np.ndarray) -> str:
     """Write `tokens` to `path` via a temp file + fsync + rename; returns its SHA-256."""
     data = np.ascontiguousarray(tokens).tobytes()
-    _write_atomic(path, data)
+    write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
 def write_json(path: Path, obj: dict) -> None:
     """Atomic JSON write (temp file, fsync, rename)."""
-    _write_atomic(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+    write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
 def read_meta(shard_dir: str | os.PathLike) -> dict:

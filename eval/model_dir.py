@@ -18,13 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import read_jsonl
 from data.shards import sha256_file
 from eval.results import file_lock, git_commit, sha256_text
-from trainer.checkpoint import MANIFEST, CheckpointError, load_pickle, verify, write_json_atomic
+from trainer.checkpoint import (
+    EXPORT_MANIFEST,
+    MANIFEST,
+    STATE_FILE,
+    Checkpointer,
+    CheckpointError,
+    export_record,
+    load_pickle,
+    verify,
+)
 
 log = logging.getLogger("evaluate")
 DEFAULT_MAX_LENGTH = 4096  # the paper's training context (docs/protocol.md §8)
-EXPORT_MANIFEST = "export.json"  # written last into a checkpoint's hf/ export: the export is complete
 # the files of a Hugging Face export that its numbers depend on (the tokenizer's SHA-256 is a setting of its own)
 MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                "pytorch_model*.bin.index.json")
@@ -34,12 +43,14 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 @dataclass(frozen=True)
 class Target:
     """``hf_dir``: the model to load; ``run_dir``: its training run (``None`` for a bare export); ``out_dir``:
-    where ``<suite>.json`` go; ``step``: the checkpoint's step (``None`` for the final export)."""
+    where ``<suite>.json`` go; ``step``: the checkpoint's step (``None`` for the final export); ``trained``: the
+    ``(step, tokens)`` of the weights loaded, as their checkpoint or export records them (``None``: unrecorded)."""
 
     hf_dir: Path
     run_dir: Path | None
     out_dir: Path
     step: int | None = None
+    trained: tuple[int | None, int | None] | None = None
 
 
 def _run_config(run_dir: Path | None) -> dict[str, Any]:
@@ -68,15 +79,18 @@ def weights_identity(hf_dir: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def model_files_unchanged(hf_dir: Path) -> Iterator[None]:
-    """Refuse (``ValueError``) when the export's model files are replaced or rewritten during the ``with`` block:
-    the weights hashed would not be the weights loaded (a training run exporting into the same folder)."""
+def model_files_unchanged(hf_dir: Path) -> Iterator[dict[str, Any]]:
+    """Yields :func:`weights_identity` of ``hf_dir``; refuses (``ValueError``) when the export's model files are
+    replaced or rewritten during the ``with`` block (a training run exporting into the same folder): the weights
+    hashed would not be the weights loaded. The files are hashed again at the end, since a rewrite in place within
+    one tick of the file system's clock keeps the inode, the size and the modification time."""
     def stamp() -> list[tuple[str, int, int, int]]:
         return [(p.name, (st := p.stat()).st_ino, st.st_size, st.st_mtime_ns) for p in model_files(hf_dir)]
 
     before = stamp()
-    yield
-    if stamp() != before:
+    weights = weights_identity(hf_dir)
+    yield weights
+    if stamp() != before or weights_identity(hf_dir) != weights:
         raise ValueError(f"{hf_dir} changed while it was hashed and loaded (is a training run exporting into it?); "
                          "rerun the evaluation once the export is written")
 
@@ -134,11 +148,9 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
             log.warning(f"{out} is an incomplete, damaged or stale export (interrupted, or the checkpoint was saved "
                         "again); exporting the checkpoint again")
         staging = ckpt / f".hf.{os.getpid()}.tmp"
-        _write_export(ckpt, run_dir, staging / "hf")
-        files = {str(p.relative_to(staging / "hf")): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted((staging / "hf").rglob("*")) if p.is_file()}
-        write_json_atomic(staging / "hf" / EXPORT_MANIFEST, {"checkpoint": ckpt.name, "manifest_sha256": digest,
-                                                             "files": files})
+        step, tokens = _checkpoint_trained(ckpt)
+        _write_export(ckpt, run_dir, staging / "hf", {"step": step, "tokens": tokens, "checkpoint": ckpt.name,
+                                                      "manifest_sha256": digest})
         if out.exists():
             os.replace(out, staging / "old")
         os.replace(staging / "hf", out)
@@ -146,8 +158,18 @@ def _export_checkpoint(ckpt: Path, run_dir: Path) -> Path:
     return out
 
 
-def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
-    """Build the run's model, load the checkpoint's full weights and write a Hugging Face export to ``out``."""
+def _checkpoint_trained(ckpt: Path) -> tuple[int | None, int | None]:
+    """``(step, tokens seen)`` of a verified checkpoint, from its ``train_state.json`` (``None`` where missing)."""
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None, None
+    return state.get("step"), state.get("tokens_seen")
+
+
+def _write_export(ckpt: Path, run_dir: Path, out: Path, record: dict[str, Any]) -> None:
+    """Build the run's model, load the checkpoint's full weights and write a Hugging Face export to ``out`` with
+    its ``export.json`` (``record`` and every file's size and SHA-256)."""
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
@@ -175,7 +197,39 @@ def _write_export(ckpt: Path, run_dir: Path, out: Path) -> None:
         state = load_file(weights[0])
     model.load_state_dict(state)
     log.info(f"exporting {ckpt} to {ckpt / 'hf'}")
-    export_hf(Accelerator(cpu=True), model, tokenizer, out)
+    export_hf(Accelerator(cpu=True), model, tokenizer, out, record)
+
+
+def _verified_export(hf_dir: Path, run_dir: Path | None) -> tuple[int | None, int | None] | None:
+    """``(step, tokens)`` of an export that passes its ``export.json`` (every file's size and SHA-256), as a
+    checkpoint passes its manifest; ``None`` for an export without one (a bare Hugging Face model, or a run export
+    from before exports carried one, accepted with a warning only when the run has no checkpoint to match it to).
+    A run's export older than the run's newest checkpoint (its export was interrupted or failed), or damaged, is
+    refused in one line (``CheckpointError``)."""
+    newest = Checkpointer(run_dir / "checkpoints", 1).latest() if run_dir is not None else None
+    elsewhere = f", or evaluate its newest checkpoint: model={newest}" if newest is not None else ""
+    record = export_record(hf_dir)
+    if record is None:
+        if newest is not None:
+            raise CheckpointError(f"{hf_dir} has no {EXPORT_MANIFEST}: its files cannot be verified nor matched to "
+                                  f"a checkpoint (an interrupted export, or one from before exports carried one); "
+                                  f"rerun the training command to export it again{elsewhere}")
+        if run_dir is not None:
+            warnings.warn(f"{hf_dir} has no {EXPORT_MANIFEST}: its files are not verified and its step is read "
+                          f"from {run_dir / 'metrics.jsonl'}; rerun the training command to export it with one",
+                          stacklevel=3)
+        return None
+    problem = verify(hf_dir, manifest=EXPORT_MANIFEST)
+    if problem is not None:
+        raise CheckpointError(f"the export {hf_dir} is damaged: {problem}; rerun the training command to export it "
+                              f"again (the checkpoints are untouched){elsewhere}")
+    step = record.get("step")
+    newest_step = int(_STEP_DIR.match(newest.name).group(1)) if newest is not None else None
+    if newest_step is not None and (not isinstance(step, int) or newest_step > step):
+        raise CheckpointError(f"{hf_dir} holds the weights of step {step}, older than the run's newest checkpoint "
+                              f"{newest.name} (the export after it was interrupted or failed, or training goes on); "
+                              f"rerun the training command to export it again{elsewhere}")
+    return step, record.get("tokens")
 
 
 def resolve(path: str | Path) -> Target:
@@ -188,16 +242,17 @@ def resolve(path: str | Path) -> Target:
                                 "export or a checkpoint runs/<name>/checkpoints/step_N")
     if _STEP_DIR.match(p.name) and p.parent.name == "checkpoints":
         run_dir = p.parent.parent
-        return Target(_export_checkpoint(p, run_dir), run_dir, run_dir / "eval" / p.name,
-                      int(_STEP_DIR.match(p.name).group(1)))
+        hf_dir = _export_checkpoint(p, run_dir)
+        return Target(hf_dir, run_dir, run_dir / "eval" / p.name, int(_STEP_DIR.match(p.name).group(1)),
+                      _checkpoint_trained(p))
     if (p / "config.json").is_file():
         run_dir = p.parent if (p.parent / "config.yaml").is_file() else None
-        return Target(p, run_dir, (run_dir or p) / "eval")
+        return Target(p, run_dir, (run_dir or p) / "eval", trained=_verified_export(p, run_dir))
     if (p / "config.yaml").is_file():
         if not (p / "hf" / "config.json").is_file():
             raise FileNotFoundError(f"model={path}: the run has no hf/ export yet (training unfinished?); finish "
                                     f"it, or pass a checkpoint: {p}/checkpoints/step_N")
-        return Target(p / "hf", p, p / "eval")
+        return Target(p / "hf", p, p / "eval", trained=_verified_export(p / "hf", p))
     raise FileNotFoundError(f"model={path} is neither a run directory (config.yaml), a Hugging Face export "
                             "(config.json) nor a checkpoint (checkpoints/step_N)")
 
@@ -226,22 +281,11 @@ def check_context(length: int, limit: int | None, what: str) -> None:
 
 
 def _last_metrics(run_dir: Path) -> dict[str, Any]:
+    """The run's last training record in ``metrics.jsonl`` (``{}`` without one); a torn last line is dropped with a
+    warning, an unreadable line before it is refused in one line."""
     path = run_dir / "metrics.jsonl"
-    last: dict[str, Any] = {}
-    if not path.is_file():
-        return last
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            warnings.warn(f"{path}: skipping the unreadable line {i + 1} (a torn write)", stacklevel=2)
-            continue
-        if "tokens" in rec:
-            last = rec
-    return last
+    rows = read_jsonl(path) if path.is_file() else []
+    return next((r for r in reversed(rows) if isinstance(r, dict) and "tokens" in r), {})
 
 
 def model_metadata(target: Target, model: Any) -> dict[str, Any]:
@@ -255,7 +299,10 @@ def model_metadata(target: Target, model: Any) -> dict[str, Any]:
         total, non_embedding = parameter_counts(mc)
     except (TypeError, AttributeError, ValueError):
         total, non_embedding = sum(p.numel() for p in model.parameters()), None
-    last = _last_metrics(target.run_dir) if target.run_dir is not None else {}
+    if target.trained is not None:  # the weights' own record, never the run's newest (it may have gone on)
+        last = {"step": target.trained[0], "tokens": target.trained[1]}
+    else:
+        last = _last_metrics(target.run_dir) if target.run_dir is not None else {}
     mixer_cfg = cfg.get("mixer", {})
     return {
         "run_dir": str(target.run_dir) if target.run_dir else None, "hf_dir": str(target.hf_dir),

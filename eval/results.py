@@ -11,6 +11,7 @@ is computing is claimed, so that another skips it (and waits for it at the end) 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import write_json_atomic
+from common import read_jsonl, write_atomic, write_json_atomic
 
 SCHEMA = 1
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
@@ -122,11 +123,37 @@ def _other_settings(path: Path, diff: list[str]) -> str:
             "out_dir=<another folder> to keep both")
 
 
+def task_of(cell: str) -> str:
+    """The task a cell belongs to: ``niah_single_1@4096`` -> ``niah_single_1`` (RULER); other cells are tasks."""
+    return cell.split("@", 1)[0]
+
+
+def stale_cells(doc: dict[str, Any], settings: dict[str, Any]) -> dict[str, str]:
+    """``{cell: "old -> new"}`` for the cells of ``doc`` whose task ``settings["tasks"]`` gives another definition
+    version than ``doc``'s settings record (no version recorded included): they are computed again, not reused."""
+    new = settings.get("tasks")
+    old = doc.get("settings", {}).get("tasks")
+    if not isinstance(new, dict):
+        return {}
+    old = old if isinstance(old, dict) else {}
+    return {c: f"{old.get(task_of(c), 'unrecorded')!r} -> {new[task_of(c)]!r}" for c in doc.get("results", {})
+            if task_of(c) in new and (task_of(c) not in old or old[task_of(c)] != new[task_of(c)])}
+
+
+def _current(doc: dict[str, Any], settings: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``doc``'s cells without those of other task definition versions (:func:`stale_cells`), said in one line."""
+    stale = stale_cells(doc, settings)
+    if stale:
+        log.info("%s: recomputing %s, computed at other task definition versions (%s)", path, ", ".join(stale),
+                 ", ".join(f"{c} {v}" for c, v in stale.items()))
+    return {c: v for c, v in doc.get("results", {}).items() if c not in stale}
+
+
 def load_previous(path: Path, settings: dict[str, Any], overwrite: bool, weights: dict[str, Any]) -> dict[str, Any]:
     """The finished cells of an earlier run of this suite that this one reuses: ``{}`` with ``overwrite``, without a
     file, or when the file's cells were computed on other weights than ``weights``; never a task's cell computed at
-    another version of its definition than ``settings["tasks"]`` names. A file written with different
-    number-changing settings is refused, naming them and the way out."""
+    another version of its definition than ``settings["tasks"]`` names (:func:`stale_cells`). A file written with
+    different number-changing settings is refused, naming them and the way out."""
     doc = None if overwrite else _read_doc(path)
     if doc is None:
         return {}
@@ -135,15 +162,7 @@ def load_previous(path: Path, settings: dict[str, Any], overwrite: bool, weights
         raise ValueError(_other_settings(path, diff))
     if weights_sha256(doc) != weights["sha256"]:
         return {}
-    cells = dict(doc.get("results", {}))
-    old, new = doc.get("settings", {}).get("tasks"), settings.get("tasks")
-    if isinstance(old, dict) and isinstance(new, dict):  # a task whose definition changed is computed again
-        stale = sorted(c for c in cells if c in new and old.get(c) != new[c])
-        if stale:
-            log.info("%s: recomputing %s, computed at other task definition versions (%s)", path, ", ".join(stale),
-                     ", ".join(f"{c} {old.get(c)!r} -> {new[c]!r}" for c in stale))
-        cells = {c: v for c, v in cells.items() if c not in stale}
-    return cells
+    return _current(doc, settings, path)
 
 
 @contextmanager
@@ -225,7 +244,7 @@ class ResultsFile:
             if doc is None:
                 return {}
             if self._ours(doc):
-                return dict(doc.get("results", {}))
+                return _current(doc, self.settings, self.path)
             diff = differing_settings(doc.get("settings", {}), self.settings)
             if diff and not overwrite:
                 raise ValueError(_other_settings(self.path, diff))
@@ -242,8 +261,9 @@ class ResultsFile:
         it replaces; a file of other settings or weights written since :meth:`start` is refused."""
         if doc is None:
             return {}
-        if self._ours(doc):
-            return dict(doc.get("results", {}))
+        if self._ours(doc):  # less the cells of other task definition versions, which the file no longer holds
+            stale = stale_cells(doc, self.settings)
+            return {c: v for c, v in doc.get("results", {}).items() if c not in stale}
         was = self.replacing
         if was is not None and not differing_settings(doc.get("settings", {}), was.get("settings", {})) and \
                 weights_sha256(doc) == weights_sha256(was):
@@ -274,9 +294,22 @@ class ResultsFile:
             results = self._cells_of(old) | {cell: result}
             kept = old.get("settings", {}) if old is not None and self._ours(old) else {}
             doc = payload(results, _merge_settings(kept, self.settings))
-            samples.write_cell(cell, rows, set(results))
-            write_json_atomic(self.path, doc)
+            try:
+                samples.write_cell(cell, rows, set(results))
+                write_json_atomic(self.path, doc)
+            except OSError as e:
+                raise ValueError(_write_failed(e, self.path, cell)) from None
         return doc
+
+
+def _write_failed(e: OSError, path: Path, cell: str) -> str:
+    """One line for a results write that failed: where, why (a full disk, a quota), what is kept, the fix."""
+    where = Path(e.filename) if e.filename else path
+    why = {errno.ENOSPC: f"the disk is full at {where.parent}", errno.EDQUOT: f"the disk quota is exceeded at "
+           f"{where.parent}"}.get(e.errno or 0, f"{e.strerror or e}")
+    return (f"writing {where} failed: {why}; the cell {cell} is not recorded and the cells already in {path} are "
+            f"kept; free space there and rerun the command (finished cells are reused), or pass out_dir=<a folder "
+            "on a disk with room>")
 
 
 class SampleLog:
@@ -293,10 +326,17 @@ class SampleLog:
             return
         kept = []
         if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and (name := json.loads(line)["cell"]) != cell and name in cells]
-        lines = kept + ([json.dumps({"cell": cell, **r}) for r in rows] if self.enabled else [])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, self.path)
+            way_out = ("or move the file away: it holds only the per-sample records, and a new one is started (the "
+                       "results files are not affected)")
+            try:
+                records = read_jsonl(self.path, on_torn=None)  # written whole by rename: no line is torn
+            except ValueError as e:
+                raise ValueError(f"{e}, {way_out}") from None
+            for record in records:
+                if not isinstance(record, dict) or not isinstance(record.get("cell"), str):
+                    raise ValueError(f"{self.path} holds a record without a cell name ({str(record)[:60]}); repair "
+                                     f"or remove that line, {way_out}")
+            kept = [r for r in records if r["cell"] != cell and r["cell"] in cells]
+        lines = [json.dumps(r) for r in kept] + ([json.dumps({"cell": cell, **r}) for r in rows] if self.enabled
+                                                 else [])
+        write_atomic(self.path, "".join(line + "\n" for line in lines))

@@ -90,7 +90,7 @@ def run_ruler(ctx: Context, cfg: RulerOptions) -> dict[str, Any]:
     settings = {"lengths": sorted({length for _, length in cells}), "samples_per_cell": n, "seed": int(cfg.seed),
                 "tokenizer": str(ctx.target.hf_dir), "tokenizer_sha256": ctx.tokenizer.fingerprint,
                 "haystack": haystack.describe(), "max_new_tokens": int(cfg.max_new_tokens),
-                "batch_size": ctx.batch_size, "dtype": ctx.dtype, "tasks": {t: 1.0 for t in cfg.tasks},
+                "batch_size": ctx.batch_size, "dtype": ctx.dtype, "tasks": {t: ruler.VERSIONS[t] for t in cfg.tasks},
                 "cells": list(by_name)}
     done = load_previous(ctx.target.out_dir / "ruler.json", settings, ctx.overwrite, ctx.weights)
     todo = [name for name in by_name if name not in done]

@@ -185,8 +185,8 @@ def submit(p: Plan) -> str:
 
 
 def _submit(p: Plan) -> str:
+    from common import write_json_atomic
     from eval.results import git_commit
-    from trainer.checkpoint import write_json_atomic
 
     if shutil.which("sbatch") is None:
         raise SweepError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run")

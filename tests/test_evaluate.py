@@ -17,7 +17,7 @@ from data import PrepareConfig, TokenLoader, prepare
 from eval.harness import ACC_METRIC, Unavailable, load_model, load_task, table1_row, task_manager
 from eval.model_dir import resolve
 from eval.overwrite import probe_beta_eff
-from trainer.checkpoint import write_manifest
+from trainer.checkpoint import EXPORT_MANIFEST, write_manifest
 
 MC_TASK = """task: kdn_local_mc
 dataset_path: json
@@ -171,6 +171,8 @@ def test_a_checkpoint_is_exported_then_evaluated(tmp_path: Path) -> None:
     with torch.no_grad():
         ref, got = model(input_ids=x).logits, again(input_ids=x).logits
     assert float((got - ref).norm() / ref.norm()) < 1e-6
+    # a run export is matched to the run's checkpoints through its export.json, as train.py writes it
+    write_manifest(run / "hf", EXPORT_MANIFEST, {"step": 10, "tokens": 40960, "checkpoint": ckpt.name})
     assert resolve(run).hf_dir == run / "hf" and resolve(run / "hf").out_dir == run / "eval"
 
 

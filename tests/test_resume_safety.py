@@ -177,7 +177,7 @@ def _fill_at_train_state(monkeypatch: pytest.MonkeyPatch) -> None:
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
-        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".train_state.json."):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith("train_state.json."):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from common import write_json_atomic
 from eval.mqar import build_jobs, flatten, model_config, parse_overrides, state_elements, summarize
 from eval.mqar.run import SCHEMA, header
 from eval.tables import SettingsMismatch, as_json, build_mqar_table, csv_text, latex, markdown, read_mqar
 from eval.tables.__main__ import main
 from eval.tables.mqar import MATCHED, UNMATCHED
-from trainer.checkpoint import write_json_atomic
 
 MIXERS = ("kda", "kdn_diag", "kdn_diag/mu=1", "attn")
 BASE = {"kda": 0.60, "kdn_diag": 0.70, "kdn_diag/mu=1": 0.50, "attn": 0.90}

@@ -31,11 +31,14 @@ from typing import Any
 from accelerate import Accelerator
 from torch import nn
 
+from common import write_json_atomic
 from data.shards import sha256_file
-from trainer.rundir import write_text_atomic
 
 STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"
+# written last into a Hugging Face export (the run's hf/, a checkpoint's hf/): the weights' step and tokens, the
+# checkpoint they came from, and every file's size and SHA-256, verified as a checkpoint's manifest is
+EXPORT_MANIFEST = "export.json"
 RNG_FILE = "random_states_{}.pkl"  # accelerate's RNG states of one process
 _PICKLES = (".bin", ".pkl", ".pt")  # the files accelerate writes with torch.save
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -65,24 +68,53 @@ class TrainState:
     loader: dict[str, Any] = field(default_factory=dict)  # data.TokenLoader state (the same on every rank)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` (its folder made if needed) through a temp file, an fsync and a rename."""
-    write_text_atomic(path, json.dumps(obj, indent=1))
-
-
 def _sha256_all(paths: list[Path]) -> list[str]:
     """SHA-256 of each file, several files at once (hashlib releases the GIL: model and optimiser in parallel)."""
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
         return list(pool.map(sha256_file, paths))
 
 
-def write_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
-    """Record every file under ``ckpt_dir`` (size, SHA-256) in its ``manifest.json``; returns the entries."""
-    paths = [p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST]
+def write_manifest(ckpt_dir: Path, name: str = MANIFEST, record: dict[str, Any] | None = None
+                   ) -> dict[str, dict[str, Any]]:
+    """Record every file under ``ckpt_dir`` (size, SHA-256) in its manifest ``name``, beside the fields of
+    ``record``; returns the entries."""
+    paths = [p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != name]
     files = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "sha256": h}
              for p, h in zip(paths, _sha256_all(paths))}
-    write_json_atomic(ckpt_dir / MANIFEST, {"files": files})
+    write_json_atomic(ckpt_dir / name, {**(record or {}), "files": files})
     return files
+
+
+def export_record(hf_dir: Path) -> dict[str, Any] | None:
+    """The ``export.json`` of the export ``hf_dir`` (``None`` when it has none); an unreadable one is a
+    ``CheckpointError`` naming it."""
+    path = hf_dir / EXPORT_MANIFEST
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}): the export is incomplete or damaged; "
+                              "export it again") from None
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict) or not record["files"]:
+        raise CheckpointError(f"{path} lists no files: the export is incomplete or damaged; export it again")
+    return record
+
+
+def export_problem(hf_dir: Path, step: int) -> str | None:
+    """``None`` when ``hf_dir`` is a whole export of the weights after step ``step`` (its ``export.json`` names
+    that step and every file passes its size and SHA-256); else what is wrong, in a few words."""
+    if not hf_dir.is_dir():
+        return "there is no export"
+    try:
+        record = export_record(hf_dir)
+    except CheckpointError as e:
+        return str(e)
+    if record is None:
+        return f"it has no {EXPORT_MANIFEST} (an interrupted export, or one from before exports carried one)"
+    if record.get("step") != step:
+        return f"it holds the weights of step {record.get('step')}, not of step {step}"
+    return verify(hf_dir, manifest=EXPORT_MANIFEST)
 
 
 def _write_failure(e: BaseException, where: Path) -> str | None:
@@ -132,13 +164,14 @@ def check_pickles(ckpt_dir: Path) -> str | None:
     return None
 
 
-def verify(ckpt_dir: Path, checksum: bool = True) -> str | None:
-    """``None`` if every file of the manifest is there with its size (and, with ``checksum``, its SHA-256 and a
-    weights-only load of each pickle); else one line naming the first file that fails."""
+def verify(ckpt_dir: Path, checksum: bool = True, manifest: str = MANIFEST) -> str | None:
+    """``None`` if every file of the manifest (``manifest.json``, or an export's ``export.json``) is there with its
+    size (and, with ``checksum``, its SHA-256 and a weights-only load of each pickle); else one line naming the
+    first file that fails."""
     try:
-        files = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
+        files = json.loads((ckpt_dir / manifest).read_text())["files"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        return f"{ckpt_dir / MANIFEST} is missing or unreadable ({type(e).__name__})"
+        return f"{ckpt_dir / manifest} is missing or unreadable ({type(e).__name__})"
     for name, entry in files.items():
         path = ckpt_dir / name
         if not path.is_file():
@@ -297,10 +330,13 @@ class Checkpointer:
         return state
 
 
-def export_hf(accelerator: Accelerator, model: nn.Module, tokenizer: Any, out_dir: Path) -> Path:
+def export_hf(accelerator: Accelerator, model: nn.Module, tokenizer: Any, out_dir: Path,
+              record: dict[str, Any] | None = None) -> Path:
     """Collective: write the model (``save_pretrained``, full weights even under FSDP) and the
-    tokenizer (``save_pretrained``) to ``out_dir`` through a temp directory and a rename. A failed write (a full
-    disk, a quota) removes the temp directory and raises a one-line ``CheckpointError``; an earlier export stays."""
+    tokenizer (``save_pretrained``) to ``out_dir`` through a temp directory and a rename, with ``export.json``
+    written last (``record``: the weights' ``step``, ``tokens``, ``checkpoint`` and its ``manifest_sha256``; and
+    every file's size and SHA-256). A failed write (a full disk, a quota) removes the temp directory and raises a
+    one-line ``CheckpointError``; an earlier export stays."""
     state_dict = accelerator.get_state_dict(model)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}")
     if accelerator.is_main_process:
@@ -310,6 +346,7 @@ def export_hf(accelerator: Accelerator, model: nn.Module, tokenizer: Any, out_di
             tmp.mkdir(parents=True)
             accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(str(tmp))
+            write_manifest(tmp, EXPORT_MANIFEST, record)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial export took
             problem = _write_failure(e, out_dir.parent)

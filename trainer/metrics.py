@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from common import read_jsonl, write_atomic
 
 log = logging.getLogger("train")
 
@@ -44,31 +45,17 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file. A torn last line (a crash mid-write) is dropped with a warning; an
-    unreadable line before it raises a ``ValueError`` naming the file and line."""
-    lines = path.read_text().splitlines()
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines):
-                raise ValueError(f"{path}:{i} is not a JSON record; repair or delete that line") from None
-            log.warning(f"{path}:{i}: dropping a torn last line (the run stopped while writing it)")
-    return rows
+def log_torn(path: Path, line: int, _: str) -> None:
+    """:func:`common.read_jsonl`'s ``on_torn`` for the run's own records: a warning in the training log."""
+    log.warning(f"{path}:{line}: dropping a torn last line (the run stopped while writing it)")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records with ``step > last_step`` (written after the checkpoint we resume from) and a torn last line."""
     if not path.is_file():
         return
-    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, path)
+    keep = [r for r in read_jsonl(path, on_torn=log_torn) if r["step"] <= last_step]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class MetricLogger:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.checkpoint import write_json_atomic
+from common import write_json_atomic
 
 # Kernel groups, matched in order by substrings of the kernel's name; unmatched Triton kernels (plain names) are the
 # mixers' recurrence and gate kernels, unmatched CUDA C++ kernels ("void ...") are "other". Attention comes first:

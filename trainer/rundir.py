@@ -24,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from common import write_text_atomic
+
 log = logging.getLogger("train")
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -174,17 +176,6 @@ def check_fingerprint(run_dir: Path, config: dict[str, Any], force: bool) -> dic
             f"{run_dir} holds another experiment ({shown}{more}); start a new run with name=<new name>, or add "
             "resume=force to continue this run with the new settings")
     return diff
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (its folder made if needed) through a temp file, an fsync and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def store_fingerprint(run_dir: Path, config: dict[str, Any]) -> None:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import write_json_atomic
-from trainer.metrics import read_jsonl
+from common import read_jsonl, write_json_atomic
+from trainer.metrics import log_torn
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -24,7 +24,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory written by train.py")
-    rows = read_jsonl(path)
+    rows = read_jsonl(path, on_torn=log_torn)
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from common import write_json_atomic
 from eval.mqar.config import PRESETS, MQARConfig, parse_overrides
 from eval.mqar.report import table, write_report
 from eval.mqar.run import build_jobs, flatten, header, run_grid, runs_of, summarize
 from eval.results import git_commit
-from trainer.checkpoint import write_json_atomic
 
 
 def main(argv: list[str]) -> None:

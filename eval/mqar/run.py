@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from common import write_json_atomic
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
 from eval.mqar.train import (
@@ -44,7 +45,6 @@ from eval.mqar.train import (
     train_together,
 )
 from eval.results import ROOT, git_commit
-from trainer.checkpoint import write_json_atomic
 
 SCHEMA = 2
 RUNS_FILE = "runs.jsonl"

@@ -40,6 +40,9 @@ GRID: dict[str, tuple[int, ...]] = {
 }
 INCREMENT = 25  # essay haystack words added per step of the length fit (the noise haystack grows by lines)
 MAX_NEW_TOKENS = 128
+# each task's definition version: raised when its prompts, answers or scoring change, so that results files'
+# cells of the older definition are computed again, not reused
+VERSIONS: dict[str, float] = {task: 1.0 for task in TASKS}
 # RULER's needle depths: 40 evenly spaced percentages
 DEPTHS: tuple[int, ...] = tuple(int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True)))
 

@@ -18,12 +18,12 @@ from eval.tables.model import Cell, SettingsMismatch, Table, build_table
 from eval.tables.mqar import MQARFile, build_mqar_table, find_mqar, read_mqar
 from eval.tables.paper import BETA_EFF_MEANS, MU_INTERVENTION, PAPER, paper_protocol_gap
 from eval.tables.render import as_json, csv_text, latex, markdown, write_table
-from eval.tables.runs import Experiment, Run, find_runs, preset_identity, read_jsonl
+from eval.tables.runs import Experiment, Run, find_runs, preset_identity
 from eval.tables.specs import TABLES
 from eval.tables.yours import RunsTable, build_runs_table, write_runs_table
 
 __all__ = [
-    "find_runs", "Run", "Experiment", "preset_identity", "read_jsonl", "TABLES", "build_table", "Table", "Cell",
+    "find_runs", "Run", "Experiment", "preset_identity", "TABLES", "build_table", "Table", "Cell",
     "SettingsMismatch", "markdown", "latex", "csv_text", "as_json", "write_table", "throughput_figure",
     "loss_curves", "PAPER", "BETA_EFF_MEANS", "MU_INTERVENTION", "MQARFile", "build_mqar_table", "find_mqar",
     "read_mqar", "paper_protocol_gap", "RunsTable", "build_runs_table", "write_runs_table",

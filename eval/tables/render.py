@@ -8,10 +8,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from common import write_atomic
 from eval.tables.model import MISSING, Table
 
 EXTENSIONS = ("md", "tex", "csv", "json")  # the renderings of a table, one file each
@@ -116,13 +116,6 @@ def _caption(table: Table) -> str:
     if table.missing:
         parts.append(f"{MISSING}: no result ({len(table.missing)} missing)")
     return "; ".join(p.rstrip(".") for p in parts) + "."
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_table(table: Table, out: Path) -> list[Path]:

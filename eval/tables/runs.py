@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from common import read_jsonl
 
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 SCHEMA = 1
@@ -88,23 +91,13 @@ def report(skipped: list[str] | None, line: str) -> None:
         skipped.append(line)
 
 
-def read_jsonl(path: Path, skipped: list[str] | None = None) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file; a torn last line (a run writing, or stopped mid-write) is left out and
-    reported to ``skipped`` (see :func:`report`). An unreadable line before it is a ``ValueError`` naming it."""
-    lines = path.read_text().splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                report(skipped, f"skipped the torn last line of {path} ({len(line)} characters; the run is "
-                                "writing it, or stopped mid-write)")
-                break
-            raise ValueError(f"{path}:{i + 1} is not JSON ({e.msg}); repair or remove that line") from None
-    return out
+def _torn_reporter(skipped: list[str] | None) -> Callable[[Path, int, str], None]:
+    """:func:`common.read_jsonl`'s ``on_torn`` for a run's records: the torn last line is reported to
+    ``skipped`` (see :func:`report`)."""
+    def torn(path: Path, _: int, line: str) -> None:
+        report(skipped, f"skipped the torn last line of {path} ({len(line)} characters; the run is writing it, or "
+                        "stopped mid-write)")
+    return torn
 
 
 def read_result(path: Path) -> dict[str, Any]:
@@ -201,7 +194,7 @@ def load_run(path: Path, skipped: list[str] | None = None) -> Run | None:
     run = Run(path, exp, seed, data_seed, results)
     if (path / "metrics.jsonl").is_file():
         try:
-            rows = read_jsonl(path / "metrics.jsonl", skipped)
+            rows = read_jsonl(path / "metrics.jsonl", on_torn=_torn_reporter(skipped))
         except UNREADABLE as e:
             report(skipped, f"skipped the training records of {_reason(e, path / 'metrics.jsonl')}")
             rows = []
