@@ -219,7 +219,7 @@ def test_packed_gains_in_interpreter_match_reference_per_sequence(interpreted: d
     results = report["errors"]
     assert len(results) == 5
     for case, errs in results.items():
-        assert max(errs.values()) < 1e-5, (case, errs)
+        assert all(v < 1e-5 for v in errs.values()), (case, errs)
     # the forced segments split the longest sequence (90 tokens: 3 chunks of 32; Diagonal: 22 tokens, 3 segments of
     # 8); without them one segment
     assert report["segments"] == {"diag_seg8": 3, "diag_dplr_seg16": 2, "diag_one_segment": 1, "iso_seg32": 3,
@@ -232,7 +232,7 @@ def test_packed_memory_in_interpreter_matches_reference(variant: str, interprete
     errs = triton_interpret.result(interpreted, variant)
     assert len(errs) == 2
     for case, e in errs.items():
-        assert max(e.values()) < 5e-5, (case, e)
+        assert all(v < 5e-5 for v in e.values()), (case, e)
 
 
 def test_gain_kernels_compile_for_hopper(tmp_path: Path) -> None:
@@ -252,7 +252,7 @@ def test_packed_gains_compiled_match_reference(variant: str, K: int) -> None:
     ns, errs = gain_errors(variant == "iso", variant == "diag_dplr", (1, 3000, 0, 700, 64, 2, 1500), 8, K, None,
                            device="cuda")
     assert ns > 4
-    assert max(errs.values()) < 1e-4, errs
+    assert all(v < 1e-4 for v in errs.values()), errs
 
 
 @pytest.mark.gpu
