@@ -43,8 +43,8 @@ def inputs(B, T, H, K, cu, decay, seed):
 out = {}
 cases = {  # B, T, H, K, cu_seqlens, decay, block_k, dg summed
     "T77_K32": (2, 77, 2, 32, None, 0.3, 32, True),
-    "T130_K128_bk64_fast": (1, 130, 1, 128, None, 2.0, 64, True),
-    "T64_K96_bk64_pertoken": (1, 64, 2, 96, None, 0.3, 64, False),
+    "T77_K64_bk32_fast": (1, 77, 1, 64, None, 2.0, 32, True),
+    "T64_K96_bk64_pertoken": (1, 64, 1, 96, None, 0.3, 64, False),
     "varlen_K32": (1, 130, 2, 32, torch.tensor([0, 40, 100, 101, 130]), 1.0, 32, True),
 }
 for name, (B, T, H, K, cu, decay, bk, sums) in cases.items():
@@ -59,9 +59,9 @@ for name, (B, T, H, K, cu, decay, bk, sums) in cases.items():
         out[f"{name}_{'safe' if safe else 'loop'}"] = {n: rel_err(o, r) for n, o, r in zip(NAMES, ours, ref)}
 
 # control: fla given dAqk with its chunk blocks transposed
-x = inputs(1, 128, 1, 32, None, 0.3, seed=1)
+x = inputs(1, 64, 1, 32, None, 0.3, seed=1)
 ours = chunk_asym_bwd_intra(**x)
-bad = x["dAqk"].view(1, 2, BT, 1, BT).transpose(2, 4).reshape(1, 128, 1, BT)
+bad = x["dAqk"].view(1, 1, BT, 1, BT).transpose(2, 4).reshape(1, 64, 1, BT).contiguous()
 ref = chunk_precond_kda_bwd_intra(**(x | {"dAqk": bad}), chunk_size=BT, safe_gate=True)
 out["control_dAqk_transposed"] = {n: rel_err(o, r) for n, o, r in zip(NAMES, ours, ref)}
 print(json.dumps(out))
