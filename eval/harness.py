@@ -67,6 +67,7 @@ def quiet_lm_eval() -> Iterator[None]:
 
 def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
     """``(model, tokenizer)`` from an exported run directory (``runs/<name>/hf``), in eval mode."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import models  # noqa: F401  (registers kdn_lm with AutoConfig / AutoModelForCausalLM)
@@ -79,8 +80,12 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except SafetensorError as e:  # a truncated or overwritten weights file: its header or data cannot be read
+        raise ValueError(f"{path}: the weights cannot be read ({e}); the file is damaged or truncated: export the "
+                         "model again (rerun its train.py command) or copy it anew") from None
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
 
 def make_lm(model: Any, tokenizer: Any, *, batch_size: int | str, max_length: int) -> Any:

@@ -264,3 +264,19 @@ def test_a_cell_of_an_earlier_task_definition_is_computed_again(tmp_path: Path,
     assert "recomputing swde" in caplog.text and "1.0 -> 2.0" in caplog.text
     same = {"context_tokens": 2048, "tasks": {"swde": 1.0, "squad": 1.0}}
     assert load_previous(path, same, overwrite=False, weights=weights) == old["results"]
+
+
+def test_a_truncated_weights_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    import models
+    from eval.harness import load_model
+
+    models.build_model(models.model_config("toy", "kdn_diag")).save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    with weights.open("r+b") as f:  # a copy or a write cut short
+        f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ValueError) as refusal:
+        load_model(tmp_path / "hf")
+    line = str(refusal.value)
+    assert "\n" not in line and line.startswith(f"{tmp_path / 'hf'}: the weights cannot be read (")
+    assert line.endswith("the file is damaged or truncated: export the model again (rerun its train.py command) or "
+                         "copy it anew")
