@@ -82,6 +82,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``train.py`` overrides pointing at a 30k-token slice of the embedded corpus, prepared by the first run that
+    uses them and shared by every later one in this process (no test writes to the shards)."""
+    out = tmp_path_factory.mktemp("shards") / "embedded"
+    return [f"data.prepare.out_dir={out}", "data.prepare.max_tokens=30000", "data.prepare.num_workers=1"]
+
+
 @pytest.fixture(autouse=True)
 def _release_cuda_memory(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a GPU test, the CUDA blocks its tensors left in torch's caching allocator go back to the device: the GPU

@@ -2,7 +2,9 @@
 nothing) through the real decoding interface."""
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,23 @@ def export_toy_run(root: Path, mixer: str = "kdn_diag", pattern: str = "recurren
     model = models.build_model(models.model_config("toy", mixer, pattern, vocab_size=32000))
     root.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(root / "hf")
-    load_tokenizer("mistral-v1").save_pretrained(root / "hf")
+    for name, data in tokenizer_files().items():
+        (root / "hf" / name).write_bytes(data)
     (root / "config.yaml").write_text(
         f"name: toy_{pattern}_{mixer}\nseed: 3\nmodel:\n  size: toy\nmixer:\n  name: {mixer}\n  mu: dk\n"
         f"backbone:\n  pattern: {pattern}\ndata:\n  seq_len: {seq_len}\n")
     (root / "metrics.jsonl").write_text(json.dumps({"step": 10, "tokens": 40960, "loss": 9.0}) + "\n"
                                         + '{"step": 11, "tok')  # a torn last line
     return root
+
+
+@functools.cache
+def tokenizer_files() -> dict[str, bytes]:
+    """Name -> bytes of the files ``save_pretrained`` writes for the mistral-v1 tokenizer: written once per process
+    (about a second each time), then copied into every export."""
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer("mistral-v1").save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
 
 
 class Oracle(models.KDNForCausalLM):

@@ -9,17 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from toy_run import TOY, losses, make_cfg, run_train, shard_overrides
+from toy_run import TOY, losses, make_cfg, run_train
 
 from trainer.checkpoint import MANIFEST, STATE_FILE, Checkpointer, TrainState, verify
 from trainer.config import ConfigError
 from trainer.metrics import read_jsonl
 from trainer.optim import all_finite
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
 
 
 @pytest.fixture()

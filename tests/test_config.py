@@ -172,11 +172,10 @@ def test_cli_rejects_bad_values_in_one_line_and_leaves_no_run_directory(tmp_path
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("config error: mixer.mu: 'big' is neither")
     assert list(tmp_path.iterdir()) == []  # no directory holding only .hydra/ and an empty train.log
-    for typo, fix in (("trainer.max_step=5", "max_steps"), ("optim.lrr=1e-3", "lr")):  # the plain form too
-        out = _cli(typo, f"runs_root={tmp_path}")
-        assert out.returncode == 2, out.stderr[-2000:]
-        key = typo.lstrip("+").split("=")[0]
-        assert out.stderr.strip().splitlines()[-1] == f"config error: {key}: unknown key (did you mean {fix!r}?)"
+    out = _cli("trainer.max_step=5", f"runs_root={tmp_path}")  # the plain form too (more: the test below)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == ("config error: trainer.max_step: unknown key (did you mean "
+                                                   "'max_steps'?)")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -193,6 +192,9 @@ def test_plain_override_keys_are_checked_against_the_schema() -> None:
         with pytest.raises(ConfigError) as e:
             check_override_keys(["model=toy", arg])
         assert str(e.value).startswith(msg), str(e.value)
+    with pytest.raises(ConfigError) as e:  # what train.py prints after "config error: "
+        check_override_keys(["optim.lrr=1e-3"])
+    assert str(e.value) == "optim.lrr: unknown key (did you mean 'lr'?)"
 
 
 def test_multirun_sweep_gives_each_job_its_run_dir(tmp_path: Path) -> None:

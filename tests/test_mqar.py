@@ -229,6 +229,9 @@ def test_grid_budget_and_summary(tmp_path) -> None:
     part = summarize([r for r in records if (r["mixer"], r["width"], r["seed"]) != ("attn", 64, 1)], cfg)
     assert "| attn | 78.6 (n=1) | 79.8 ± 0.7 |" in table({**data, "rows": part})
     assert data["config"]["seeds"] == [0, 1] and data["versions"]["torch"] == torch.__version__
+    import fla
+
+    assert data["versions"]["fla"] == fla.__version__  # read from the distribution, without importing fla
     empty = tmp_path / "none.json"  # a grid whose every job failed still writes its (empty) table
     empty.write_text(json.dumps({**data, "rows": []}))
     md, png = write_report(load_results(empty), empty)

@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from toy_run import TOY, losses, rows, run_train, shard_overrides
+from toy_run import TOY, losses, rows, run_train
 
 from trainer.checkpoint import MANIFEST, Checkpointer, CheckpointError, TrainState, verify, write_manifest
 from trainer.optim import warmup_cosine
 from trainer.rundir import RunDirError
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
 
 
 @pytest.fixture()

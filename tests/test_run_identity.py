@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -14,16 +13,11 @@ import torch
 from conftest import timeout_s
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from toy_run import ROOT, TOY, losses, make_cfg, rows, run_train, shard_overrides
+from toy_run import ROOT, TOY, losses, make_cfg, rows, run_train
 
 from trainer.config import build_model_config, load_config
 from trainer.optim import warmup_cosine
 from trainer.rundir import LOCK_FILE, RunDirError, RunLock, differences, fingerprint, name_suffix
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
 
 
 def _name(overrides: list[str]) -> str:
@@ -199,27 +193,6 @@ def test_run_lock_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     (tmp_path / LOCK_FILE).write_text("")  # a holder that died while writing it
     with RunLock(tmp_path):
         pass
-
-
-def test_cli_names_the_run_by_its_overrides_and_refuses_another_experiment_in_one_line(tmp_path: Path) -> None:
-    from dataclasses import asdict
-
-    from trainer.checkpoint import MANIFEST
-    from trainer.rundir import store_fingerprint
-
-    run = tmp_path / "toy_recurrent_kdn_diag_mixer.mu=1"  # what the default name gives for these overrides
-    (run / "checkpoints" / "step_000000002").mkdir(parents=True)
-    (run / "checkpoints" / "step_000000002" / MANIFEST).write_text('{"files": {}}')
-    store_fingerprint(run, asdict(make_cfg(["model=toy", "mixer.mu=1", "optim.lr=1e-3"])))
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py", "model=toy", "mixer.mu=1", "logging=quiet",
-                           f"runs_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s(300))
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"run error: {run} holds another experiment (optim.lr: 0.001 -> 0.0004); start a new run with "
-        "name=<new name>, or add resume=force to continue this run with the new settings")
-    assert not (run / "config.yaml").exists() and not (run / LOCK_FILE).exists()
 
 
 def _race(run_dir: str, start: object, tried: object, results: object) -> None:

@@ -11,15 +11,10 @@ from pathlib import Path
 
 import pytest
 from conftest import timeout_s
-from toy_run import ROOT, TOY, make_cfg, run_train, shard_overrides
+from toy_run import ROOT, TOY, make_cfg, run_train
 
 from trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, write_manifest
 from trainer.rundir import LOCK_FILE, store_fingerprint
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
@@ -52,8 +47,9 @@ def test_a_refused_command_leaves_hydra_files_and_records_as_they_were(tmp_path:
 
     refused = _cli("model=toy", "mixer.mu=1", "logging=quiet", f"runs_root={tmp_path}")
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert refused.stderr.strip().splitlines()[-1].startswith(f"run error: {run} holds another experiment "
-                                                              "(optim.lr: 0.001 -> 0.0004)")
+    assert refused.stderr.strip().splitlines()[-1] == (  # the default name holds the overrides
+        f"run error: {run} holds another experiment (optim.lr: 0.001 -> 0.0004); start a new run with "
+        "name=<new name>, or add resume=force to continue this run with the new settings")
     assert snapshot(run) == before
 
     bad = _cli("model=toy", "mixer.mu=1", "optim.lr=1e-3", "logging.wandb.mode=cloud", f"runs_root={tmp_path}")

@@ -1,4 +1,5 @@
-"""Short train.py runs of the toy model for the run-directory tests (compose, train, read the metrics)."""
+"""Short train.py runs of the toy model for the run-directory tests (compose, train, read the metrics); their data:
+the ``shards`` fixture of tests/conftest.py."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")  # never touch the network
 # toy model, 64-token windows, 2 sequences per micro-batch, 2 accumulation steps on one process, no export
 TOY = ["model=toy", "logging=quiet", "data.seq_len=64", "trainer.micro_batch_size=2",
        "trainer.global_batch_tokens=256", "trainer.eval_batches=2", "trainer.eval_every=0", "trainer.export=false"]
-
-
-def shard_overrides(out: Path) -> list[str]:
-    """Overrides pointing at a 30k-token slice of the embedded corpus in ``out`` (prepared on first use)."""
-    return [f"data.prepare.out_dir={out}", "data.prepare.max_tokens=30000", "data.prepare.num_workers=1"]
 
 
 def make_cfg(overrides: list[str]) -> TrainConfig:

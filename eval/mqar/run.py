@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -394,15 +395,17 @@ def summarize(records: list[dict[str, Any]], cfg: MQARConfig) -> list[dict[str, 
 
 
 def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]:
-    """Device, versions, date, ``commit`` (read when the run starts), command and every setting of the run."""
-    import fla
+    """Device, versions, date, ``commit`` (read when the run starts), command and every setting of the run. The
+    versions of triton and fla are their distributions' (``None`` where not installed): importing fla to ask would
+    define its hundreds of Triton kernels, seconds of a CPU run that launches none of them."""
     import transformers
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+    def installed(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
     device = resolve_device(cfg.device)
     name = device_name(device)
     return {
@@ -410,8 +413,8 @@ def header(cfg: MQARConfig, wall_s: float, commit: str | None) -> dict[str, Any]
             timespec="seconds"), "git_commit": commit, "command": " ".join(["python -m eval.mqar",
                                                                                  *sys.argv[1:]]),
         "device": {"type": device.type, "name": name, "cpu_count": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-                     "fla": getattr(fla, "__version__", None), "transformers": transformers.__version__},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": installed("triton"),
+                     "fla": installed("flash-linear-attention"), "transformers": transformers.__version__},
         "config": dataclasses.asdict(cfg), "wall_s": wall_s,
         "state_matching": ("state = recurrent memory per sequence summed over the two layers, in elements "
                            "(models.recurrent_state_size). Every matrix-state mixer has width/head_dim heads of "
