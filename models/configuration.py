@@ -140,6 +140,11 @@ class KDNConfig(PretrainedConfig):
                                  f"config; one {key} serves every attention layer: set {key} alone")
             setattr(self, key, value)
 
+    @property
+    def mixer_options(self) -> Any:
+        """The mixer's options as its config (``MIXERS[mixer].config``: ``mixer_kwargs`` over its defaults)."""
+        return MIXERS[self.mixer].options(self.mixer_kwargs)
+
     def layer_mixer(self, layer_idx: int) -> tuple[str, dict[str, Any]]:
         """``(mixer name, kwargs)`` of layer ``layer_idx`` (an attention layer of the pattern takes none: its window
         is :meth:`layer_window`)."""

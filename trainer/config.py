@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -81,6 +82,10 @@ class TrainerConfig:
     recompute_states: bool = False  # CUDA: the delta-rule memories' backward recomputes what their forward could keep
     # (passed to the model config's recompute_states)
     check_weights_every: int = 1  # steps between checks that the updated weights are finite (0: only before saves)
+
+
+# conf/trainer/*.yaml hold only what differs from these defaults, on top of this node
+ConfigStore.instance().store(group="trainer", name="schema", node=asdict(TrainerConfig()))
 
 
 @dataclass

@@ -78,7 +78,9 @@ def _check(name: str, options: dict[str, Any]) -> Any:
     try:
         return spec.options(options)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"mixer ({name}): {str(e).splitlines()[0]}") from None
+        msg = str(e).splitlines()[0]
+        first, _, rest = msg.partition(" ")
+        raise ConfigError(f"mixer.{first}: {rest}" if first in spec.kwargs else f"mixer ({name}): {msg}") from None
 
 
 def canonical_mixer(section: dict[str, Any], legacy: bool = False) -> dict[str, Any]:
