@@ -176,13 +176,13 @@ class KDNConfig(PretrainedConfig):
         MIXERS.check_kwargs(self.mixer, self.mixer_kwargs)
         check_window(self.window)
         codes = layer_pattern(self.pattern, self.num_layers)
-        if "S" in codes and self.window is None:
-            raise ValueError(f"pattern {self.pattern!r} has sliding-window layers: set window (tokens; the sizes of "
-                             "models.sizes.SIZES give it)")
         has_attention = self.mixer == "attn" or any(c in "SA" for c in codes)
         if has_attention and self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(f"attention layers need num_heads * head_dim == hidden_size, got {self.num_heads} * "
                              f"{self.head_dim} = {self.num_heads * self.head_dim} != {self.hidden_size}")
+        if "S" in codes and self.window is None:
+            raise ValueError(f"pattern {self.pattern!r} has sliding-window layers: set window (tokens; the sizes of "
+                             "models.sizes.SIZES give it)")
         for name in ("fused", "recompute_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
