@@ -96,11 +96,18 @@ def unknown_option(mixer: str, key: str) -> str:
                                                        f"; its options: {', '.join(spec.kwargs) or 'none'}")
 
 
-def options_of(layer: Callable[..., Any], names: tuple[str, ...], doc: str, **unset: Any) -> type:
-    """A dataclass of ``layer``'s keyword arguments ``names``, with the defaults of ``layer``'s signature (declared
-    there, once; ``unset`` names those the registry derives when not given); the layer checks their values when it is
-    built."""
+BACKBONE_ARGS = ("self", "hidden_size", "num_heads", "head_dim", "conv_size", "norm_eps", "layer_idx", "fused",
+                 "recompute_states")
+"""Constructor arguments that the backbone sets (from ``KDNConfig``), not the mixer's options."""
+
+
+def options_of(layer: Callable[..., Any], doc: str, backbone: tuple[str, ...] = BACKBONE_ARGS, **unset: Any) -> type:
+    """A dataclass of ``layer``'s own keyword arguments (its signature's, less the ``backbone`` ones), with their
+    defaults there (declared once; ``unset`` names those the registry derives when not given): a new argument of the
+    layer is a new option. The layer checks their values when it is built."""
     params = inspect.signature(layer).parameters
+    names = [n for n, p in params.items() if n not in backbone and p.kind in (p.KEYWORD_ONLY,
+                                                                              p.POSITIONAL_OR_KEYWORD)]
     defaults = {n: unset[n] if n in unset else params[n].default for n in names}
     return make_dataclass(f"{layer.__qualname__.split('.')[0]}Options",
                           [(n, Any, field(default=defaults[n])) for n in names], namespace={"__doc__": doc})
@@ -140,7 +147,7 @@ def mixer_heads(cfg: Any, kw: dict) -> int:
 
 def _delta(name: str) -> MixerSpec:
     cls = DELTA_MIXERS[name]
-    options = options_of(_delta_init(cls), ("output_gate", "backend"),
+    options = options_of(_delta_init(cls),
                          f"{cls.__name__}'s options (its layer checks them)")
     if name == "gdn2":  # GDN-2 may keep its own head count: the authors' GDN-2 is fla's layer at 16 heads at any width
         options = make_dataclass("GDN2Options", [("num_heads", Any, field(default=None))], bases=(options,),
@@ -162,9 +169,6 @@ def _delta_init(cls: type) -> Callable[..., Any]:
     """The constructor that declares a delta mixer's keyword defaults (:class:`models.layers.delta._DeltaRule`)."""
     return next(c.__init__ for c in cls.__mro__ if "output_gate" in inspect.signature(c.__init__).parameters)
 
-
-MAMBA3_KWARGS = ("state_size", "expand", "head_dim", "n_groups", "rope_fraction", "mimo_rank", "chunk_size",
-                 "A_floor", "dt_min", "dt_max", "backend")
 
 
 def mamba3_state_size(cfg: Any, kw: dict) -> int:
@@ -190,8 +194,9 @@ def _mamba3(mimo: bool) -> MixerSpec:
         inner = int(kw.get("expand", 2) * cfg.hidden_size)
         return inner * mamba3_state_size(cfg, kw)
 
-    options = options_of(Mamba3.__init__, MAMBA3_KWARGS, "Mamba-3's options (its layer checks them); state_size None: "
-                         "matched to KDA's memory", state_size=None)
+    options = options_of(Mamba3.__init__, backbone=("self", "hidden_size", "norm_eps", "layer_idx", "fused", "is_mimo"),
+                         doc="Mamba-3's options (its layer checks them); state_size None: matched to KDA's memory",
+                         state_size=None)
     return MixerSpec(f"mamba3_{'mimo' if mimo else 'siso'}", options, build, state, "out_proj")
 
 
