@@ -208,4 +208,4 @@ def test_masks_of_a_batch_are_built_once() -> None:
 
 def test_backend_is_checked() -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
-        Attention(64, 4, 16, backend="flash")
+        Attention(64, 4, 16, window=None, backend="flash")
