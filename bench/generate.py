@@ -89,7 +89,7 @@ def ours(size: str, mixer: str = "kdn_diag") -> torch.nn.Module:
     attention for ``mixer="attn"``."""
     from models import build_model, model_config
 
-    kw = {"mixer_kwargs": {"window": None}} if mixer == "attn" else {}
+    kw = {"window": None} if mixer == "attn" else {}
     model = build_model(model_config(size, mixer, "recurrent", **kw)).to("cuda", torch.bfloat16).eval()
     model.generation_config.eos_token_id = None  # rows run to max_new_tokens
     return model

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from bench import roofline
 from common import write_atomic
 from eval.results import git_commit
+from models.registry import KDN_MIXERS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -45,33 +46,29 @@ class CausalSDPA(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, None
 
 
+BENCH_OPTIONS: dict[str, dict[str, object]] = {
+    "mamba3_siso": {"state_size": 128, "backend": "kernels"},  # mamba-ssm's SISO kernel at its default d_state
+    "mamba3_mimo": {"state_size": 128, "backend": "kernels"},  # TileLang, mimo_rank 4 (the layer's default)
+}
+"""Options the benchmark sets beyond a mixer's defaults (the registry matches Mamba-3's state to KDA's)."""
+WINDOWS = {"attn_swa": 2048, "attn_full": None}
+"""The attention variants: the model's attention mixer (RoPE; block-sparse window or full causal flash)."""
+
+
 def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Module:
-    """A single mixer layer on CUDA in bf16; ``settings``: Diagonal KDN's memory route (:func:`variant`) and the KDN
-    memory's ``precision``. Raises ImportError when its kernels are not installed."""
-    import fla.layers as fl
+    """A single mixer layer on CUDA in bf16, built as the models build it (:data:`models.MIXERS`); ``attn`` is the
+    plain SDPA baseline. ``settings``: the mixer's options (Diagonal KDN's memory route, :func:`variant`, and the KDN
+    memory's ``precision``). Raises ImportError when its kernels are not installed."""
+    from models import MIXERS, KDNConfig
 
-    import kdn
-    from models.layers.attention import Attention
-    from models.layers.mamba3 import Mamba3
-
-    makers: dict[str, Callable[[], nn.Module]] = {
-        "kdn_diag": lambda: kdn.DiagonalKDN(d, H, K, **settings),
-        "kdn_iso": lambda: kdn.IsotropicKDN(d, H, K, **settings),
-        "kda": lambda: fl.KimiDeltaAttention(hidden_size=d, num_heads=H, head_dim=K),
-        "deltanet": lambda: fl.DeltaNet(hidden_size=d, num_heads=H),
-        "gdn": lambda: fl.GatedDeltaNet(hidden_size=d, num_heads=H, head_dim=K, expand_v=1),
-        "gdn2": lambda: fl.GatedDeltaNet2(hidden_size=d, num_heads=H, head_dim=K),
-        "mamba3_siso": lambda: Mamba3(hidden_size=d, backend="kernels"),  # ours, on mamba-ssm's SISO kernel
-        "mamba3_mimo": lambda: Mamba3(hidden_size=d, is_mimo=True, mimo_rank=4, backend="kernels"),  # TileLang
-        "attn": lambda: CausalSDPA(d, H, K),
-        "attn_swa": lambda: Attention(d, H, K, window=2048),  # our layer: RoPE, block-sparse 2K window
-        "attn_full": lambda: Attention(d, H, K, window=None),  # our layer: RoPE, full causal (flash)
-    }
-    if name not in makers:
-        raise ValueError(f"unknown mixer {name!r}; known: {sorted(makers)}")
-    if settings and name not in ("kdn_diag", "kdn_iso"):
-        raise ValueError(f"only the KDN mixers take memory settings, got {settings} for {name!r}")
-    return makers[name]().cuda().to(torch.bfloat16)
+    if name == "attn":
+        if settings:
+            raise ValueError(f"the SDPA baseline takes no options, got {settings}")
+        return CausalSDPA(d, H, K).cuda().to(torch.bfloat16)
+    mixer = "attn" if name in WINDOWS else name
+    cfg = KDNConfig(hidden_size=d, num_heads=H, head_dim=K, num_layers=1, mixer=mixer,
+                    mixer_kwargs={**BENCH_OPTIONS.get(mixer, {}), **settings}, window=WINDOWS.get(name))
+    return MIXERS[mixer].build(cfg, 0, cfg.mixer_kwargs).cuda().to(torch.bfloat16)
 
 
 def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> Callable[[], None] | None:
@@ -93,7 +90,7 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> 
 
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
         leaves, run = (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
-    elif name in ("kdn_diag", "kdn_iso"):
+    elif name in KDN_MIXERS:
         iso = name == "kdn_iso"
         omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
         fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, validate=False, **settings)

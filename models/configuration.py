@@ -6,6 +6,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from models.layers.attention import BACKENDS as ATTENTION_BACKENDS
+from models.layers.attention import check_window
 from models.registry import MIXERS
 
 LAYER_CODES = {"R": "the configured mixer", "S": "sliding-window attention (config.window)", "A": "full attention"}
@@ -38,22 +39,24 @@ def layer_pattern(pattern: str, num_layers: int) -> str:
 class KDNConfig(PretrainedConfig):
     """Configuration of :class:`models.KDNForCausalLM`.
 
-    ``mixer`` names an entry of :data:`models.MIXERS` and ``mixer_kwargs`` its options (for KDN e.g.
-    ``{"mu": "dk", "noise": "learned", "alpha_param": "kda"}``). ``pattern`` chooses which layers use
+    ``mixer`` names an entry of :data:`models.MIXERS` and ``mixer_kwargs`` the options of it that differ from its
+    config's defaults (the fields of ``MIXERS[mixer].config``, e.g. ``{"mu": "1", "noise": "fixed_r"}`` for KDN,
+    ``{"precision": "fp32"}``: docs/kernels.md, "Precision"). ``pattern`` chooses which layers use
     the mixer (see :func:`layer_pattern`); attention layers use ``num_heads x head_dim`` heads,
-    RoPE base ``rope_theta`` and, when sliding, ``window``. ``intermediate_size`` is the SwiGLU width: one int
-    for every layer, or a list of ``num_layers`` ints (parameter matching mixes two widths, both multiples of
-    16 or more, rather than use one width that tensor cores handle badly).
+    RoPE base ``rope_theta`` and ``window``: the one window of every sliding layer and of ``mixer="attn"``
+    (``None``: full attention; the sizes of :data:`models.sizes.SIZES` set it).
+    ``intermediate_size`` is the SwiGLU width: one int for every layer, or a list of ``num_layers`` ints (parameter
+    matching mixes two widths, both multiples of 16 or more, rather than use one width that tensor cores handle
+    badly).
 
     Kernel settings (no effect on the parameters or the maths): ``fused`` runs the fused CUDA kernels of the front
     end, norms, SwiGLU and LM head (``False``: their PyTorch code on CUDA too); ``recompute_states`` makes the
     asymmetric memory's backward (KDN, KDA) recompute its WY terms and chunk states instead of keeping them (less
     memory, slower); ``attention_backend`` runs the attention layers' windows, documents, padding and cached prefixes
     through ``flex_attention``'s block masks on CUDA (``"auto"``) or SDPA's dense masks (``"sdpa"``; ``"flex"``: block
-    masks on every device, forward only off CUDA). The Diagonal KDN memory route is a mixer keyword
-    (``mixer_kwargs["memory"]``, ``"asym"`` or ``"dplr"``, with ``"chunk_size"``), and so is both KDNs' memory
-    precision (``mixer_kwargs["precision"]``, ``"bf16"`` or ``"fp32"``; docs/kernels.md, "Precision";
-    ``+mixer.kwargs.precision=fp32`` in training, ``kdn_diag/precision=fp32`` in ``eval.mqar``).
+    masks on every device, forward only off CUDA). The mixers' own kernel settings are their options (Diagonal KDN's
+    ``memory`` and ``chunk_size``, both KDNs' ``precision``: ``mixer.precision=fp32`` in training,
+    ``kdn_diag/precision=fp32`` in ``eval.mqar``).
 
     ``init`` names the weight initialisation rule (:data:`INIT_RULES`): ``"fla"`` (the default) or ``"authors"``.
     """
@@ -72,7 +75,7 @@ class KDNConfig(PretrainedConfig):
         mixer: str = "kdn_diag",
         mixer_kwargs: dict[str, Any] | None = None,
         pattern: str = "recurrent",
-        window: int = 2048,
+        window: int | None = None,
         intermediate_size: int | list[int] = 5632,
         norm_eps: float = 1e-5,
         initializer_range: float = 0.02,
@@ -96,15 +99,17 @@ class KDNConfig(PretrainedConfig):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.mixer = mixer
-        self.mixer_kwargs = dict(mixer_kwargs or {})
+        self.mixer_kwargs = dict(mixer_kwargs or {}) if isinstance(mixer_kwargs, dict) or mixer_kwargs is None \
+            else mixer_kwargs
         self.pattern = pattern
         self.window = window
+        self.rope_theta = rope_theta
+        self._adopt_attention_kwargs()
         self.intermediate_size = list(intermediate_size) if isinstance(intermediate_size, (list, tuple)) \
             else intermediate_size
         self.norm_eps = norm_eps
         self.initializer_range = initializer_range
         self.conv_size = conv_size
-        self.rope_theta = rope_theta
         self.fuse_cross_entropy = fuse_cross_entropy
         self.use_cache = use_cache
         self.fused = fused
@@ -120,12 +125,35 @@ class KDNConfig(PretrainedConfig):
         """One code per layer: ``R`` (mixer), ``S`` (sliding-window attention), ``A`` (full attention)."""
         return layer_pattern(self.pattern, self.num_layers)
 
+    def _adopt_attention_kwargs(self) -> None:
+        """Read the attention options that configs written before the window had one home kept in ``mixer_kwargs``
+        (``mixer="attn"``: ``window``, ``rope_theta``) into the backbone's fields; refuse one that disagrees."""
+        if self.mixer != "attn" or not isinstance(self.mixer_kwargs, dict):
+            return
+        for key in ("window", "rope_theta"):
+            if key not in self.mixer_kwargs:
+                continue
+            value = self.mixer_kwargs.pop(key)
+            sliding = key == "window" and "S" in NAMED_PATTERNS.get(self.pattern, self.pattern)
+            if sliding and value != self.window:
+                raise ValueError(f"mixer_kwargs[{key!r}]={value!r} differs from {key}={self.window!r} of this hybrid "
+                                 f"config; one {key} serves every attention layer: set {key} alone")
+            setattr(self, key, value)
+
+    @property
+    def mixer_options(self) -> Any:
+        """The mixer's options as its config (``MIXERS[mixer].config``: ``mixer_kwargs`` over its defaults)."""
+        return MIXERS[self.mixer].options(self.mixer_kwargs)
+
     def layer_mixer(self, layer_idx: int) -> tuple[str, dict[str, Any]]:
-        """``(mixer name, kwargs)`` of layer ``layer_idx``."""
-        code = self.layer_codes[layer_idx]
-        if code == "R":
-            return self.mixer, self.mixer_kwargs
-        return "attn", {"window": self.window if code == "S" else None}
+        """``(mixer name, kwargs)`` of layer ``layer_idx`` (an attention layer of the pattern takes none: its window
+        is :meth:`layer_window`)."""
+        return (self.mixer, self.mixer_kwargs) if self.layer_codes[layer_idx] == "R" else ("attn", {})
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx``: ``window`` for ``S`` layers and ``mixer="attn"``, ``None``
+        (full) for ``A`` layers."""
+        return None if self.layer_codes[layer_idx] == "A" else self.window
 
     def ffn_width(self, layer_idx: int) -> int:
         """The SwiGLU width of layer ``layer_idx``."""
@@ -146,18 +174,15 @@ class KDNConfig(PretrainedConfig):
             raise ValueError(f"intermediate_size must be a positive int or a list of them, got "
                              f"{self.intermediate_size!r}")
         MIXERS.check_kwargs(self.mixer, self.mixer_kwargs)
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
-            raise ValueError(f"window must be a positive int (tokens of the sliding window), got {self.window!r}")
-        attn_window = self.mixer_kwargs.get("window", self.window) if self.mixer == "attn" else self.window
-        if attn_window is not None and (isinstance(attn_window, bool) or not isinstance(attn_window, int)
-                                        or attn_window <= 0):
-            raise ValueError(f"mixer_kwargs['window'] must be a positive int or None (full attention), got "
-                             f"{attn_window!r}")
+        check_window(self.window)
         codes = layer_pattern(self.pattern, self.num_layers)
         has_attention = self.mixer == "attn" or any(c in "SA" for c in codes)
         if has_attention and self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(f"attention layers need num_heads * head_dim == hidden_size, got {self.num_heads} * "
                              f"{self.head_dim} = {self.num_heads * self.head_dim} != {self.hidden_size}")
+        if "S" in codes and self.window is None:
+            raise ValueError(f"pattern {self.pattern!r} has sliding-window layers: set window (tokens; the sizes of "
+                             "models.sizes.SIZES give it)")
         for name in ("fused", "recompute_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 from models.configuration import KDNConfig
 from models.layers.delta import DELTA_MIXERS
-from models.registry import attention_window, mamba3_state_size, mixer_heads
+from models.registry import mamba3_state_size, mixer_heads
 from models.sizes import build_on_meta
 
 SCAN_CHUNK = 64
 
 
-def _mixing_flops(cfg: KDNConfig, name: str, kwargs: dict, seq_len: int) -> float:
+def _mixing_flops(cfg: KDNConfig, layer_idx: int, seq_len: int) -> float:
     """Forward FLOPs per token of a layer's sequence mixing (the part that is not a weight matmul)."""
     H, K = cfg.num_heads, cfg.head_dim
+    name, kwargs = cfg.layer_mixer(layer_idx)
     if name == "attn":
-        window = attention_window(cfg, kwargs)
+        window = cfg.layer_window(layer_idx)
         context = sum(min(t + 1, window or seq_len) for t in range(seq_len)) / seq_len
         return 4.0 * H * K * context  # q k^T and p v
     if name in DELTA_MIXERS or name.startswith("kdn"):
@@ -41,5 +42,5 @@ def count_flops_per_token(cfg: KDNConfig, seq_len: int) -> float:
     matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not embedding)
     if cfg.tie_word_embeddings:
         matmul += embedding.numel()
-    mixing = sum(_mixing_flops(cfg, *cfg.layer_mixer(i), seq_len) for i in range(cfg.num_layers))
+    mixing = sum(_mixing_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
     return 6.0 * matmul + 3.0 * mixing

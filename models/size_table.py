@@ -48,7 +48,7 @@ def table_rows(sizes: list[str], pattern: str, vocab_size: int) -> list[dict]:
             rows.append({
                 "size": size, "mixer": mixer, "total": total, "non_embedding": non_embedding,
                 "block_stack": block_stack, "ffn": _widths(cfg.intermediate_size),
-                "state": MIXERS[name].state_size(cfg, kwargs), "deviation": (block_stack - target) / target,
+                "state": MIXERS[name].state_size(cfg, 0, kwargs), "deviation": (block_stack - target) / target,
             })
     return rows
 

@@ -29,12 +29,14 @@ WIDTH_MULTIPLES = (64, 32, 16)
 SIZES: dict[str, dict[str, Any]] = {
     "toy": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "window": 16},
     "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "head_dim": 64, "window": 256},
-    "100m": {"hidden_size": 768, "num_layers": 12, "num_heads": 6, "head_dim": 128},
-    "750m": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "head_dim": 128},
-    "1.3b": {"hidden_size": 2304, "num_layers": 18, "num_heads": 18, "head_dim": 128},
+    "100m": {"hidden_size": 768, "num_layers": 12, "num_heads": 6, "head_dim": 128, "window": 2048},
+    "750m": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "head_dim": 128, "window": 2048},
+    "1.3b": {"hidden_size": 2304, "num_layers": 18, "num_heads": 18, "head_dim": 128, "window": 2048},
 }
 """Backbones: ``750m`` and ``1.3b`` are the paper's; ``100m`` a real GPU run; ``small`` a CPU demo;
-``toy`` the tests. Mamba-3 at ``toy``/``small`` uses ``head_dim = 16``/``32`` (64 at the larger sizes)."""
+``toy`` the tests. ``window`` is the attention window of each size (sliding layers and ``mixer="attn"``): the one
+default of the window (``backbone.window`` in training).
+Mamba-3 at ``toy``/``small`` uses ``head_dim = 16``/``32`` (64 at the larger sizes)."""
 
 MAMBA3_HEAD_DIM = {"toy": 16, "small": 32}
 
@@ -258,7 +260,7 @@ def recurrent_state_size(cfg: KDNConfig) -> int | None:
     total = 0
     for i in range(cfg.num_layers):
         name, kwargs = cfg.layer_mixer(i)
-        size = MIXERS[name].state_size(cfg, kwargs)
+        size = MIXERS[name].state_size(cfg, i, kwargs)
         if size is None:
             return None
         total += size

@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from conftest import timeout_s
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from models import MIXERS
 from trainer.config import ConfigError, TrainConfig, build_model_config, derive_budget, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +28,19 @@ def cfg_of(overrides: list[str]) -> TrainConfig:
         return load_config(compose("config", overrides=overrides))
 
 
+def run_of(overrides: list[str]) -> TrainConfig:
+    """``cfg_of`` and the checks a run makes once it knows its vocabulary and world size: the model and the batch."""
+    c = cfg_of(overrides)
+    build_model_config(c, 32000)
+    derive_budget(c, world_size=1)
+    return c
+
+
 def test_default_is_the_cpu_demo() -> None:
     c = cfg_of([])
-    assert (c.model.size, c.mixer.name, c.backbone.pattern, c.data.prepare["source"]) == (
+    assert (c.model.size, c.mixer["name"], c.backbone.pattern, c.data.prepare["source"]) == (
         "small", "kdn_diag", "recurrent", "embedded")
-    assert (c.mixer.mu, c.mixer.noise, c.trainer.device, c.trainer.precision) == ("dk", "learned", "auto", "auto")
+    assert (c.mixer["mu"], c.mixer["noise"], c.trainer.device, c.trainer.precision) == ("dk", "learned", "auto", "auto")
     assert c.data.auto_prepare and c.trainer.export and c.logging.wandb.mode == "offline"
     assert c.run_dir == "runs/small_recurrent_kdn_diag"
     o = c.optim
@@ -39,19 +48,35 @@ def test_default_is_the_cpu_demo() -> None:
         4e-4, [0.9, 0.95], 0.1, 1.0, 0.01, 0.1)
 
 
-@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS if g != "mixer"
+                                          for p in sorted((CONF / g).glob("*.yaml"))])
 def test_every_group_option_composes(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
     if (group, option) in (("data", "fineweb_edu"), ("data", "embedded_long")):
         overrides.append("trainer=paper_50b")  # the demo's 1024-token batch holds no 2K-4K-token window
-    c = cfg_of(overrides)
-    # every schema key is in the file, so that any of them can be overridden without a "+"
-    keys = set(OmegaConf.load(CONF / group / f"{option}.yaml"))
-    schema = {f.name for f in fields(type(getattr(c, group)))}
-    assert keys == (schema if group != "mixer" or option.startswith("kdn") else {"name", "kwargs"})
-    if group == "mixer":
-        assert c.mixer.name == option
-        assert build_model_config(c, 32000).mixer == option
+    run_of(overrides)
+    if group != "trainer":  # every schema key is in the file, so that any of them can be overridden without a "+"
+        assert set(OmegaConf.load(CONF / group / f"{option}.yaml")) == {f.name for f in fields(type(getattr(
+            cfg_of(overrides), group)))}
+
+
+def test_trainer_presets_hold_only_what_differs_from_the_schema() -> None:
+    from trainer.config import TrainerConfig
+
+    defaults = TrainerConfig()
+    for path in sorted((CONF / "trainer").glob("*.yaml")):
+        for key, value in OmegaConf.to_container(OmegaConf.load(path)).items():
+            if key != "defaults":
+                assert getattr(defaults, key) != value, f"{path.name}: {key}={value!r} is the schema's default"
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_mixer_is_a_group_option_with_its_config_as_keys(mixer: str) -> None:
+    """The group ``mixer`` is the registry: each option's keys are its name and its config's fields, at their
+    defaults, so any of them can be overridden without a "+"."""
+    c = run_of([f"mixer={mixer}"])
+    assert c.mixer == {"name": mixer, **asdict(MIXERS[mixer].config())}
+    assert build_model_config(c, 32000).mixer == mixer
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -66,10 +91,11 @@ def test_every_paper_preset_composes(name: str) -> None:
     assert c.backbone.pattern == ("hybrid_swa" if name.startswith("hybrid") else "recurrent")
     mc = build_model_config(c, 32000)
     assert mc.num_layers == (18 if size == "1.3b" else 16) and mc.vocab_size == 32000 and mc.window == 2048
+    options = mc.mixer_options
     if name.startswith("table4_mu_"):
-        assert mc.mixer == "kdn_diag" and mc.mixer_kwargs["mu"] == name.removeprefix("table4_mu_")
+        assert mc.mixer == "kdn_diag" and options.mu == name.removeprefix("table4_mu_")
     if name.startswith("table5_"):
-        assert mc.mixer_kwargs["mu"] == "1" and mc.mixer_kwargs["noise"] == name.removeprefix("table5_")
+        assert options.mu == "1" and options.noise == name.removeprefix("table5_")
     b = derive_budget(c, world_size=8)
     assert b.grad_accum * 8 * c.trainer.micro_batch_size * 4096 == 524_288
     assert b.warmup_steps == -(-b.total_steps // 100)  # 1% of the budget, rounded up
@@ -102,39 +128,47 @@ def test_presets_cover_the_paper_rows() -> None:
 
 def test_ablations_are_plain_overrides() -> None:
     c = cfg_of(["mixer.mu=1", "mixer.noise=fixed_r"])
-    assert build_model_config(c, 32000).mixer_kwargs == {"mu": "1", "noise": "fixed_r", "alpha_param": "kda"}
+    assert build_model_config(c, 32000).mixer_kwargs == {"mu": "1", "noise": "fixed_r"}  # what differs from defaults
     assert build_model_config(cfg_of(["mixer.mu=96.5"]), 32000).mixer_kwargs["mu"] == 96.5
     assert build_model_config(cfg_of(["mixer.mu=learned"]), 32000).mixer_kwargs["mu"] == "learned"
-    c = cfg_of(["mixer=attn", "+mixer.kwargs.window=null"])
-    assert build_model_config(c, 32000).mixer_kwargs == {"window": None}
+    assert build_model_config(cfg_of(["mixer=kdn_iso", "mixer.precision=fp32"]), 32000).mixer_kwargs == {
+        "precision": "fp32"}
+    c = cfg_of(["mixer=attn", "backbone.window=64"])  # the attention mixer's window is the backbone's
+    mc = build_model_config(c, 32000)
+    assert (mc.mixer_kwargs, mc.window) == ({}, 64)
+    assert build_model_config(cfg_of(["mixer=attn"]), 32000).window == 256  # the size table's
 
 
 def test_kernel_settings_reach_every_mixer_as_arguments() -> None:
     """``trainer.recompute_states`` becomes the model config's field (no module global), ``model.overrides`` sets
-    ``fused``, and ``mixer.kwargs`` the Diagonal memory route; every mixer built from the config
+    ``fused``, and the mixer's options the Diagonal memory route; every mixer built from the config
     holds them."""
     from models import build_model
 
-    c = cfg_of(["trainer.recompute_states=true", "+model.overrides.fused=false", "+mixer.kwargs.memory=dplr",
-                "+mixer.kwargs.chunk_size=32", "+model.overrides.num_layers=2"])
+    c = cfg_of(["trainer.recompute_states=true", "+model.overrides.fused=false", "mixer.memory=dplr",
+                "mixer.chunk_size=32", "+model.overrides.num_layers=2"])
     mc = build_model_config(c, 512)
     assert (mc.recompute_states, mc.fused, mc.mixer_kwargs["memory"], mc.mixer_kwargs["chunk_size"]) == (
         True, False, "dplr", 32)
     mixer = build_model(mc).model.layers[0].mixer
     assert (mixer.recompute_states, mixer.fused, mixer.memory, mixer.chunk_size) == (True, False, "dplr", 32)
     assert build_model_config(cfg_of(["mixer=kda"]), 512).recompute_states is False
-    with pytest.raises(ConfigError, match="memory must be one of"):
-        cfg_of(["+mixer.kwargs.memory=bogus"])
+    with pytest.raises(ConfigError, match="mixer.memory: must be one of"):
+        cfg_of(["mixer.memory=bogus"])
 
 
 @pytest.mark.parametrize("overrides,prefix", [
     (["+trainer.max_stepz=3"], "trainer.max_stepz: unknown key (did you mean 'max_steps'?)"),
     (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
     (["model.size=2b"], "model.size: '2b' is not one of"),
-    (["mixer.mu=big"], "mixer.mu: 'big' is neither"),
-    (["mixer=kda", "+mixer.mu=1"], "mixer.mu: only the KDN mixers"),
-    (["mixer.noise=loud"], "mixer.noise: 'loud' is not one of"),
-    (["+mixer.kwargs.foo=1"], "model (size small, mixer kdn_diag, pattern recurrent): mixer 'kdn_diag' does not take"),
+    (["mixer.mu=big"], "mixer.mu: must be one of"),
+    (["mixer=kda", "+mixer.mu=1"], "mixer.mu: mixer 'kda' does not take 'mu'; the mixers taking it: kdn_diag, kdn_iso"),
+    (["mixer.noise=loud"], "mixer.noise: must be one of"),
+    (["+mixer.kwargs.precision=fp32"], "mixer.kwargs.precision: use mixer.precision=fp32"),
+    (["+mixer.preciison=fp32"], "mixer.preciison: mixer 'kdn_diag' does not take 'preciison' (did you mean "
+                                "'precision'?)"),
+    (["+model.overrides.num_layerz=6"], "model.overrides.num_layerz: unknown key (did you mean 'num_layers'?)"),
+    (["+model.overrides.window=64"], "model.overrides.window: use backbone.window=<tokens>"),
     (["backbone.pattern=RSX"], "model (size small, mixer kdn_diag, pattern RSX): pattern 'RSX'"),
     (["trainer.distributed=zero"], "trainer.distributed: 'zero' is not one of"),
     (["trainer.global_batch_tokens=1000"], "trainer.global_batch_tokens: 1000 is not a multiple"),
@@ -147,7 +181,7 @@ def test_kernel_settings_reach_every_mixer_as_arguments() -> None:
 ])
 def test_bad_values_fail_in_one_line_naming_the_key(overrides: list[str], prefix: str) -> None:
     with pytest.raises(ConfigError) as e:
-        cfg_of(overrides)
+        run_of(overrides)
     msg = str(e.value)
     assert msg.startswith(prefix) and "\n" not in msg, msg
 
@@ -170,7 +204,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_rejects_bad_values_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
     bad = _cli("mixer.mu=big", f"runs_root={tmp_path}")
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].startswith("config error: mixer.mu: 'big' is neither")
+    assert bad.stderr.strip().splitlines()[-1].startswith("config error: mixer.mu: must be one of")
     assert list(tmp_path.iterdir()) == []  # no directory holding only .hydra/ and an empty train.log
     out = _cli("trainer.max_step=5", f"runs_root={tmp_path}")  # the plain form too (more: the test below)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -188,13 +222,22 @@ def test_plain_override_keys_are_checked_against_the_schema() -> None:
     for arg, msg in (("mixr=kda", "mixr: unknown key (did you mean 'mixer'?)"),
                      ("data.prepare.tokeniser=x", "data.prepare.tokeniser: unknown key (did you mean 'tokenizer'?)"),
                      ("logging.wandb.mod=x", "logging.wandb.mod: unknown key (did you mean 'mode'?)"),
-                     ("trainer.zzz=1", "trainer.zzz: unknown key (valid keys: ")):
+                     ("trainer.zzz=1", "trainer.zzz: unknown key (valid keys: "),
+                     ("mixer.preciison=fp32", "mixer.preciison: unknown key (did you mean 'precision'?)"),
+                     ("+mixer.kwargs.precision=fp32", "mixer.kwargs.precision: use mixer.precision=fp32"),
+                     ("+mixer.kwargs.window=null", "mixer.kwargs.window: use backbone.window=null")):
         with pytest.raises(ConfigError) as e:
             check_override_keys(["model=toy", arg])
         assert str(e.value).startswith(msg), str(e.value)
     with pytest.raises(ConfigError) as e:  # what train.py prints after "config error: "
         check_override_keys(["optim.lrr=1e-3"])
     assert str(e.value) == "optim.lrr: unknown key (did you mean 'lr'?)"
+    for args in (["mixer=kda", "mixer.precision=fp32"], ["experiment=table1_750m_kda", "mixer.precision=fp32"]):
+        with pytest.raises(ConfigError) as e:  # the mixer that the command line composes does not take it
+            check_override_keys(args)
+        assert str(e.value) == ("mixer.precision: mixer 'kda' does not take 'precision'; the mixers taking it: "
+                                "kdn_diag, kdn_iso")
+    check_override_keys(["mixer=kdn_iso", "mixer.precision=fp32"])
 
 
 def test_multirun_sweep_gives_each_job_its_run_dir(tmp_path: Path) -> None:

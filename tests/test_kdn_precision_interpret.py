@@ -128,7 +128,8 @@ def test_precision_reaches_the_layers_from_the_model_config() -> None:
                 model = models.build_model(cfg)
             got = {m.precision for m in model.modules() if hasattr(m, "noise_terms")}
             assert got == {want}, (mixer, kwargs, got)
-    with pytest.raises(ValueError, match="mixer 'kda' does not take \\['precision'\\]"):
+    with pytest.raises(ValueError, match="mixer 'kda' does not take 'precision'; the mixers taking it: kdn_diag, "
+                                         "kdn_iso"):
         models.model_config("toy", "kda", vocab_size=64, num_layers=2, mixer_kwargs={"precision": "fp32"})
 
 

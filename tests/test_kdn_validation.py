@@ -131,7 +131,8 @@ def test_memory_settings_are_checked() -> None:
         kdn.isotropic_kdn(**iso, recompute_states=1)
     with pytest.raises(ValueError, match="memory must be one of"):
         kdn.DiagonalKDN(32, 2, 8, memory="bogus")
-    with pytest.raises(ValueError, match="IsotropicKDN runs the asymmetric memory only"):
+    with pytest.raises(ValueError, match=r"IsotropicKDN does not take \['memory'\]; its options are the fields of "
+                                         "IsotropicKDNConfig"):  # it runs the asymmetric memory only
         kdn.IsotropicKDN(32, 2, 8, memory="dplr")
     with pytest.raises(ValueError, match="fused must be True or False"):
         kdn.DiagonalKDN(32, 2, 8, fused=None)

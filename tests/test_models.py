@@ -229,7 +229,7 @@ def test_decoding_memory_is_constant_or_window_bounded(pattern: str) -> None:
 
 
 def test_full_attention_cache_grows() -> None:
-    model = _model("attn", "recurrent", torch.float32, mixer_kwargs={"window": None})
+    model = _model("attn", "recurrent", torch.float32, window=None)
     with torch.no_grad():
         out = model(_tokens(1, 30), use_cache=True)
     assert out.cache.get(0)["k"].shape[2] == 30
@@ -283,7 +283,9 @@ def test_bad_configs_raise_clear_errors() -> None:
         with pytest.raises(ValueError, match="window"):
             KDNConfig(window=bad)
     with pytest.raises(ValueError, match="window"):
-        KDNConfig(mixer="attn", mixer_kwargs={"window": 0})
+        KDNConfig(mixer="attn", mixer_kwargs={"window": 0})  # a config written when attention kept its own window
+    with pytest.raises(ValueError, match="has sliding-window layers: set window"):
+        KDNConfig(pattern="hybrid_swa", num_layers=2, hidden_size=64, num_heads=2, head_dim=32)
     with pytest.raises(ValueError, match="unknown layer codes"):
         KDNConfig(pattern="RX")
     with pytest.raises(ValueError, match="does not divide"):
@@ -302,7 +304,8 @@ def test_layer_patterns() -> None:
     assert models.layer_pattern("RRRS", 8) == "RRRSRRRS"
     cfg = model_config("1.3b", "kdn_diag", "hybrid_swa")
     assert [cfg.layer_mixer(i)[0] for i in range(18)].count("attn") == 9
-    assert cfg.layer_mixer(1) == ("attn", {"window": 2048})
+    assert cfg.layer_mixer(1) == ("attn", {}) and (cfg.layer_window(0), cfg.layer_window(1)) == (2048, 2048)
+    assert model_config("toy", "kda", "RA").layer_window(1) is None  # full attention
 
 
 def test_unknown_mixer_lookup_lists_known_names() -> None:

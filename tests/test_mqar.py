@@ -602,11 +602,11 @@ def test_a_terminated_grid_takes_its_workers_with_it(tmp_path) -> None:
 
 
 def test_a_failing_job_is_reported_not_stored(tmp_path) -> None:
-    cfg, _ = parse_overrides(["mixers=attn", "widths=64", "settings=32x4", "lrs=1e-3", "train_examples=32",
+    cfg, _ = parse_overrides(["mixers=gdn2", "widths=64", "settings=32x4", "lrs=1e-3", "train_examples=32",
                               "batch_tokens=1024", f"out={tmp_path}", "preset=cpu"])
-    cfg.mixers = ["attn/window=0"]  # a model that fails to build (the command line refuses it before any job)
+    cfg.mixers = ["gdn2/num_heads=0"]  # a model that fails to build (the command line refuses it before any job)
     records, failed = run_grid(cfg, log=lambda _: None)
-    assert records == [] and len(failed) == 1 and "window" in failed[0]["error"]
+    assert records == [] and len(failed) == 1 and "num_heads" in failed[0]["error"]
     assert not list(tmp_path.glob("jobs/*.json"))
 
 

@@ -68,7 +68,8 @@ EXPERIMENT_OVERRIDES = {
     "data.prepare.source": "data.prepare.source=jsonl", "data.prepare.tokenizer": "data.prepare.tokenizer=gpt2",
     "data.prepare.val_fraction": "data.prepare.val_fraction=0.1", "data.seed": "data.seed=1",
     "data.seq_len": "data.seq_len=64", "data.varlen": "data.varlen=true",
-    "mixer.alpha_param": "mixer.alpha_param=sigmoid", "mixer.kwargs": "+mixer.kwargs.memory=dplr",
+    "mixer.alpha_param": "mixer.alpha_param=sigmoid", "mixer.memory": "mixer.memory=dplr",
+    "mixer.chunk_size": "mixer.chunk_size=64", "mixer.backend": "mixer.backend=torch",
     "mixer.mu": "mixer.mu=1", "mixer.name": "mixer=kda", "mixer.noise": "mixer.noise=fixed_r",
     "mixer.precision": "mixer.precision=fp32",
     "model.init": "model.init=authors", "model.overrides": "+model.overrides.num_layers=3", "model.size": "model=small",
@@ -235,5 +236,21 @@ def test_a_run_recorded_before_model_init_keeps_its_fingerprint_and_authors_chan
     assert differences(old, authors) == {"model.init": [None, "authors"]}
     assert build_model_config(load_config(authors), 512).init == "authors"
     fp32 = asdict(make_cfg(["model=toy", "mixer.precision=fp32"]))
-    assert differences(old, fp32) == {"mixer.precision": [None, "fp32"]}
+    assert differences(old, fp32) == {"mixer.precision": ["bf16", "fp32"]}
     assert build_model_config(load_config(fp32), 512).mixer_kwargs["precision"] == "fp32"
+
+
+def test_a_run_recorded_with_the_older_mixer_section_keeps_its_fingerprint() -> None:
+    """Runs recorded when the mixer section held KDN's options beside a ``kwargs`` dict are the same experiment as
+    the mixer's whole config now; an option set there still counts."""
+    from dataclasses import asdict
+
+    new = asdict(make_cfg(["model=toy", "mixer.mu=1"]))
+    old_mixer = {"name": "kdn_diag", "mu": "1", "noise": "learned", "alpha_param": "kda", "precision": None,
+                 "kwargs": {}}
+    assert differences({**new, "mixer": old_mixer}, new) == {}
+    dplr = {**new, "mixer": {**old_mixer, "kwargs": {"memory": "dplr"}}}
+    assert differences(dplr, new) == {"mixer.memory": ["dplr", "asym"]}
+    kda = asdict(make_cfg(["model=toy", "mixer=kda"]))
+    assert differences({**kda, "mixer": {"name": "kda", "mu": None, "noise": None, "alpha_param": None,
+                                         "precision": None, "kwargs": {}}}, kda) == {}

@@ -101,7 +101,7 @@ def test_gdn2_authors_layout_is_fla_layer_at_its_default_heads() -> None:
     assert cfg.intermediate_size == 6208 and block_stack_parameters(cfg) == 1_302_638_112
     assert recurrent_state_size(cfg) == 18 * 16 * 128 * 128
     # the sequence-mixing FLOPs follow the layer's own heads
-    assert _mixing_flops(cfg, "gdn2", cfg.mixer_kwargs, 4096) * 18 == _mixing_flops(cfg, "gdn2", {}, 4096) * 16
+    assert _mixing_flops(cfg, 0, 4096) * 18 == _mixing_flops(model_config("1.3b", "gdn2"), 0, 4096) * 16
     assert count_flops_per_token(cfg, 4096) > 0
     with pytest.raises(ValueError, match="num_heads"):
         model_config("toy", "gdn2", mixer_kwargs={"num_heads": 0})
@@ -118,7 +118,7 @@ def test_gdn2_presets_use_the_authors_layout() -> None:
     presets = sorted((Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*_gdn2.yaml"))
     assert [p.stem for p in presets] == ["hybrid_1.3b_gdn2", "table2_1.3b_gdn2", "table2_750m_gdn2"]
     for p in presets:
-        assert OmegaConf.to_container(OmegaConf.load(p).mixer.kwargs) == GDN2_AUTHORS_LAYOUT, p.name
+        assert OmegaConf.to_container(OmegaConf.load(p).mixer) == GDN2_AUTHORS_LAYOUT, p.name
 
 def test_gdn2_swish_low_rank_gate() -> None:
     """The authors' output block: fla's low-rank gate with bias, its RMSNorm gated by swish instead of sigmoid."""

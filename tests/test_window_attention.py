@@ -255,4 +255,4 @@ def test_a_new_batch_whose_offsets_reuse_a_freed_tensors_id_gets_its_own_mask(mo
 
 def test_backend_is_checked() -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
-        Attention(64, 4, 16, backend="flash")
+        Attention(64, 4, 16, window=None, backend="flash")

@@ -9,25 +9,21 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.mixer import ConfigError, canonical_mixer, check_mixer_args, check_model_overrides, mixer_choice
 from trainer.preemption import parse_signal
 from trainer.rundir import run_overrides
 
-KDN_MIXERS = ("kdn_diag", "kdn_iso")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line starting with the dotted key."""
 
 
 @dataclass
@@ -38,19 +34,9 @@ class ModelConfig:
 
 
 @dataclass
-class MixerConfig:
-    name: str = "kdn_diag"  # a models.MIXERS key
-    mu: str | None = None  # KDN only: 1, sqrt, dk, 4dk, learned, or a positive number
-    noise: str | None = None  # KDN only: learned, fixed_r, fixed_r_omega
-    alpha_param: str | None = None  # KDN only: kda (default gate) or sigmoid
-    precision: str | None = None  # KDN only, CUDA memory: bf16 (default) or fp32 (docs/kernels.md, "Precision")
-    kwargs: dict[str, Any] = field(default_factory=dict)  # any other mixer keyword argument
-
-
-@dataclass
 class BackboneConfig:
     pattern: str = "recurrent"  # recurrent, hybrid_swa, or a layer string (R mixer, S sliding window, A full)
-    window: int | None = None  # sliding-window attention width; null = the size's default (2048 at 750m/1.3b)
+    window: int | None = None  # the attention window (sliding layers, mixer=attn); null: the size's (models.SIZES)
 
 
 @dataclass
@@ -98,6 +84,10 @@ class TrainerConfig:
     check_weights_every: int = 1  # steps between checks that the updated weights are finite (0: only before saves)
 
 
+# conf/trainer/*.yaml hold only what differs from these defaults, on top of this node
+ConfigStore.instance().store(group="trainer", name="schema", node=asdict(TrainerConfig()))
+
+
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # offline, online, disabled
@@ -129,7 +119,8 @@ class TrainConfig:
     # restart: start over a run directory whose training left no intact checkpoint (its records kept aside)
     seed: int = 0  # model initialisation
     model: ModelConfig = field(default_factory=ModelConfig)
-    mixer: MixerConfig = field(default_factory=MixerConfig)
+    mixer: dict[str, Any] = field(default_factory=lambda: {"name": "kdn_diag"})  # name + that mixer's options
+    # (the fields of models.MIXERS[name].config; trainer.mixer)
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -220,7 +211,10 @@ def check_override_keys(args: list[str]) -> None:
     """
     from data import PrepareConfig
 
+    check_mixer_args(args, CONF_DIR)
     for parts in override_keys(args, CONF_DIR, added=False):
+        if parts[0] == "mixer":
+            continue
         node: Any = TrainConfig
         for i, part in enumerate(parts):
             names = {f.name for f in fields(node)}
@@ -242,43 +236,6 @@ def _require(ok: bool, key: str, msg: str) -> None:
 
 def _choice(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
-
-
-def mixer_kwargs(m: MixerConfig) -> dict[str, Any]:
-    """The ``mixer_kwargs`` passed to ``models.model_config``: the set KDN fields plus ``kwargs``.
-
-    ``mu`` stays a string when it names a choice (``"1"``, ``"dk"``...) and becomes a float otherwise."""
-    out = dict(m.kwargs)
-    for key in ("mu", "noise", "alpha_param", "precision"):
-        value = getattr(m, key)
-        if value is not None:
-            out[key] = value
-    if "mu" in out:
-        from kdn.layers import MU_CHOICES
-
-        out["mu"] = out["mu"] if out["mu"] in MU_CHOICES else float(out["mu"])
-    return out
-
-
-def _check_mixer(m: MixerConfig) -> None:
-    from kdn.layers import MU_CHOICES, NOISE_CHOICES
-    from models import MIXERS
-
-    _choice(m.name, "mixer.name", sorted(MIXERS))
-    for key in ("mu", "noise", "alpha_param", "precision"):
-        if getattr(m, key) is not None and m.name not in KDN_MIXERS:
-            raise ConfigError(f"mixer.{key}: only the KDN mixers ({', '.join(KDN_MIXERS)}) take it, "
-                              f"mixer.name is {m.name!r}")
-    if m.mu is not None and m.mu not in MU_CHOICES:
-        try:
-            mu = float(m.mu)
-        except ValueError:
-            mu = float("nan")
-        _require(mu > 0, "mixer.mu", f"{m.mu!r} is neither one of {', '.join(MU_CHOICES)} nor a positive number")
-    if m.noise is not None:
-        _choice(m.noise, "mixer.noise", NOISE_CHOICES)
-    if m.alpha_param is not None:
-        _choice(m.alpha_param, "mixer.alpha_param", ("kda", "sigmoid"))
 
 
 def _check_numbers(c: TrainConfig) -> None:
@@ -314,8 +271,6 @@ def _check_numbers(c: TrainConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"trainer.preempt_signals[{i}]: {e}") from None
     _require(c.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {c.data.seq_len}")
-    _require(c.backbone.window is None or c.backbone.window >= 1, "backbone.window",
-             f"must be >= 1 or null, got {c.backbone.window}")
     _require(c.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {c.data.num_workers}")
     _require(c.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {c.logging.log_every}")
     for key in ("start", "steps"):
@@ -342,21 +297,24 @@ def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
     from models import SIZES, model_config
 
     _choice(c.model.size, "model.size", list(SIZES))
-    overrides = dict(c.model.overrides)
+    overrides = check_model_overrides(c.model.overrides)
+    name, options = mixer_choice(c.mixer)
     overrides.setdefault("init", c.model.init)
     overrides.setdefault("recompute_states", c.trainer.recompute_states)  # memory against speed (docs/results.md)
     if c.backbone.window is not None:
         overrides["window"] = c.backbone.window
     try:
-        return model_config(c.model.size, c.mixer.name, c.backbone.pattern, vocab_size,
-                            mixer_kwargs=mixer_kwargs(c.mixer), **overrides)
+        return model_config(c.model.size, name, c.backbone.pattern, vocab_size, mixer_kwargs=options, **overrides)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model (size {c.model.size}, mixer {c.mixer.name}, pattern {c.backbone.pattern}): "
+        raise ConfigError(f"model (size {c.model.size}, mixer {name}, pattern {c.backbone.pattern}): "
                           f"{str(e).splitlines()[0]}") from None
 
 
 def load_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
-    """Validate a composed config; return the typed ``TrainConfig`` or raise a one-line ``ConfigError``."""
+    """Validate a composed config; return the typed ``TrainConfig`` (its mixer section canonical: the name and every
+    option of that mixer) or raise a one-line ``ConfigError``. The model itself is checked where it is built, once,
+    from the data's vocabulary (:func:`build_model_config`), and the batch split where the launcher's world size is
+    known (:func:`derive_budget`)."""
     raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
@@ -368,8 +326,7 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
             msg = "unknown key" + _unknown_key_hint(key)
         raise ConfigError(f"{key}: {msg}") from None
     _check_numbers(c)
-    _check_mixer(c.mixer)
+    c.mixer = canonical_mixer(c.mixer)
+    check_model_overrides(c.model.overrides)
     _check_data(c.data)
-    build_model_config(c, vocab_size=32000)
-    derive_budget(c, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return c

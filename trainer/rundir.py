@@ -45,7 +45,7 @@ RESUMABLE_KEYS = (
 )
 # Keys added after runs were recorded, with the value those runs had: dropped from the identity at that value, so
 # the runs keep their fingerprint and resume.
-IMPLICIT_DEFAULTS = {"model.init": "fla", "mixer.precision": None}
+IMPLICIT_DEFAULTS = {"model.init": "fla"}
 _NAMED_GROUPS = ("model", "mixer", "backbone")  # their choices are already in the default name
 _MAX_SUFFIX = 120  # characters; a longer suffix is cut and ends with a hash of the whole
 
@@ -133,9 +133,22 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _canonical(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its mixer section as that mixer's whole config (``trainer.mixer.canonical_mixer``), so a run
+    recorded in an older form of the section, or with an option at its default left out, is the same experiment."""
+    from trainer.mixer import ConfigError, canonical_mixer
+
+    if not isinstance(config.get("mixer"), dict):
+        return config
+    try:
+        return {**config, "mixer": canonical_mixer(config["mixer"], legacy=True)}
+    except ConfigError:
+        return config
+
+
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The flattened config without ``RESUMABLE_KEYS``: what makes the experiment."""
-    return {k: v for k, v in sorted(flatten(config).items())
+    return {k: v for k, v in sorted(flatten(_canonical(config)).items())
             if not _covered(k, RESUMABLE_KEYS) and not (k in IMPLICIT_DEFAULTS and v == IMPLICIT_DEFAULTS[k])}
 
 

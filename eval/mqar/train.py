@@ -29,6 +29,7 @@ from torch import Tensor
 import models
 from eval.mqar.data import MQARSetting, MQARSplit
 from eval.mqar.step import TrainStep, answer_logits, autocast
+from models.registry import KDN_MIXERS
 from trainer.optim import build_optimizer, build_scheduler
 
 STRING_KWARGS = ("mu", "noise", "alpha_param", "memory", "backend")
@@ -39,7 +40,7 @@ CURVES = ("train", "all")
 """What an epoch before the last is scored on: the training mixture's settings, or every scored one."""
 PRECISIONS = ("bf16", "fp32")
 """The KDN mixers' memory precision on CUDA (their ``precision`` mixer option); ``bf16`` is the default path."""
-PRECISION_MIXERS = ("kdn_diag", "kdn_iso")
+PRECISION_MIXERS = KDN_MIXERS
 """The mixers that take ``precision``; for the others it does not apply (recorded as ``None``)."""
 DEFAULT_INIT, DEFAULT_PRECISION = "fla", "bf16"
 
@@ -110,14 +111,13 @@ def model_config(choice: MixerChoice, width: int, head_dim: int, vocab_size: int
     if width % head_dim:
         raise ValueError(f"width {width} is not a multiple of head_dim {head_dim}; pick widths that are")
     kwargs = dict(choice.kwargs)
-    if choice.name == "attn":
-        kwargs.setdefault("window", None)
     if choice.name.startswith("mamba3"):
         kwargs.setdefault("head_dim", head_dim)
     if precision not in (None, DEFAULT_PRECISION):
         kwargs.setdefault("precision", precision)
     return models.model_config("toy", choice.name, vocab_size=vocab_size, hidden_size=width, num_layers=2,
-                               num_heads=width // head_dim, head_dim=head_dim, mixer_kwargs=kwargs, init=init)
+                               num_heads=width // head_dim, head_dim=head_dim, mixer_kwargs=kwargs, init=init,
+                               window=None)  # attention here is full
 
 
 def architecture(choice: MixerChoice, width: int, head_dim: int, vocab_size: int) -> dict[str, Any]:
@@ -128,7 +128,9 @@ def architecture(choice: MixerChoice, width: int, head_dim: int, vocab_size: int
     with torch.device("meta"):
         named = list(models.build_model(cfg).named_parameters())
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in named)
-    return {"mixer_kwargs": dict(cfg.mixer_kwargs), "params": sum(p.numel() for _, p in named),
+    # attention's window is recorded among its options, as the results written before it was the backbone's have it
+    kwargs = {**cfg.mixer_kwargs, "window": cfg.window} if cfg.mixer == "attn" else dict(cfg.mixer_kwargs)
+    return {"mixer_kwargs": kwargs, "params": sum(p.numel() for _, p in named),
             "shapes_sha256": hashlib.sha256(shapes.encode()).hexdigest()}
 
 

@@ -18,19 +18,21 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import trainer.config  # noqa: F401  (the Hydra nodes conf/ composes with: the mixer group and trainer/schema)
 from common import read_jsonl
 
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 SCHEMA = 1
-KDN_MIXERS = ("kdn_diag", "kdn_iso")
 KDN_DEFAULTS = {"mu": "dk", "noise": "learned", "alpha_param": "kda"}
+NOT_IDENTITY = ("backend", "precision")  # how the mixer computes, not what it is
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass(frozen=True)
 class Experiment:
     """What a run trains, independent of its seed. KDN options are ``None`` for the other mixers; ``kwargs``: the
-    mixer's other keyword arguments (``mixer.kwargs``, e.g. an attention window), without the kernel backend."""
+    mixer's other options that differ from its config's defaults (e.g. GDN-2's heads; a run recorded when attention
+    kept its own window in ``mixer.kwargs``, that window), without the kernel backend and precision."""
 
     size: str
     pattern: str
@@ -41,10 +43,25 @@ class Experiment:
     kwargs: tuple[tuple[str, str], ...] = ()
 
     @classmethod
+    def of_section(cls, size: str, pattern: str, mixer: dict[str, Any]) -> Experiment:
+        """The experiment of a run config's mixer section (``trainer.mixer``'s form, or the older one with
+        ``kwargs``)."""
+        from trainer.mixer import mixer_choice
+
+        mixer = dict(mixer)
+        legacy = dict(mixer.get("kwargs") or {})
+        window = {"window": legacy.pop("window")} if "window" in legacy else {}
+        name, options = mixer_choice({**mixer, "kwargs": legacy} if "kwargs" in mixer else mixer)
+        kdn = {k: options.pop(k, None) for k in KDN_DEFAULTS}
+        return cls.make(size, pattern, name, **kdn, kwargs={**options, **window})
+
+    @classmethod
     def make(cls, size: str, pattern: str, mixer: str, mu: Any = None, noise: Any = None,
              alpha_param: Any = None, kwargs: dict[str, Any] | None = None) -> Experiment:
         """Normalised identity: KDN options filled with their defaults, dropped for other mixers."""
-        kw = tuple(sorted((str(k), str(v)) for k, v in (kwargs or {}).items() if k != "backend"))
+        from models.registry import KDN_MIXERS
+
+        kw = tuple(sorted((str(k), str(v)) for k, v in (kwargs or {}).items() if k not in NOT_IDENTITY))
         if mixer not in KDN_MIXERS:
             return cls(str(size), str(pattern), str(mixer), kwargs=kw)
         opts = {"mu": mu, "noise": noise, "alpha_param": alpha_param}
@@ -116,9 +133,7 @@ def read_result(path: Path) -> dict[str, Any]:
 
 def _identity_from_config(cfg: dict[str, Any], path: Path) -> tuple[Experiment, int, int | None]:
     try:
-        mixer = cfg["mixer"]
-        exp = Experiment.make(cfg["model"]["size"], cfg["backbone"]["pattern"], mixer["name"], mixer.get("mu"),
-                              mixer.get("noise"), mixer.get("alpha_param"), mixer.get("kwargs"))
+        exp = Experiment.of_section(cfg["model"]["size"], cfg["backbone"]["pattern"], cfg["mixer"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path} lacks {e}; it must be the config.yaml that train.py writes") from None
     return exp, int(cfg.get("seed", 0)), (cfg.get("data") or {}).get("seed")
@@ -240,9 +255,7 @@ def preset_identity(preset: str, conf_dir: Path = CONF_DIR) -> Experiment:
         if isinstance(item, dict):
             for k, v in item.items():
                 picks[k.replace("override ", "").strip("/ ")] = str(v)
-    mixer_conf = read_yaml(conf_dir / "mixer" / f"{picks['mixer']}.yaml")
-    mixer = {**mixer_conf, **(cfg.get("mixer") or {})}
+    mixer = {"name": picks["mixer"], **(cfg.get("mixer") or {})}  # the group mixer is the registry's configs
     backbone = read_yaml(conf_dir / "backbone" / f"{picks['backbone']}.yaml")
     size = read_yaml(conf_dir / "model" / f"{picks['model']}.yaml")["size"]
-    return Experiment.make(size, backbone["pattern"], mixer["name"], mixer.get("mu"), mixer.get("noise"),
-                           mixer.get("alpha_param"), mixer.get("kwargs"))
+    return Experiment.of_section(size, backbone["pattern"], mixer)

@@ -2,14 +2,16 @@
 
 Both share KDA's front end (:class:`kdn.modules.DeltaFrontEnd`) and differ only in the shape of the
 process noise and of the uncertainty state. ``forward`` returns ``(o, beta_eff | None, cache)``. The kernels'
-settings are constructor arguments: ``fused`` (the fused CUDA front end), ``recompute_states`` (the memory's backward
-recomputes its states), ``precision`` (the CUDA memory's, ``"bf16"`` or ``"fp32"``: docs/kernels.md, "Precision")
-and, for Diagonal KDN, ``memory`` / ``chunk_size`` (the CUDA memory route, :func:`kdn.ops.diagonal_kdn`).
+options live in each layer's config dataclass beside it (:class:`IsotropicKDNConfig`, :class:`DiagonalKDNConfig`:
+their defaults and checks, once); the backbone's kernel settings are constructor arguments: ``fused`` (the fused CUDA
+front end) and ``recompute_states`` (the memory's backward recomputes its states).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,35 +25,82 @@ from kdn.ops.validate import check_memory, check_precision
 
 MU_CHOICES = ("1", "sqrt", "dk", "4dk", "learned")
 NOISE_CHOICES = ("learned", "fixed_r", "fixed_r_omega")
+ALPHA_PARAMS = ("kda", "sigmoid")
 R_MIN = 0.01
+
+
+@dataclass
+class IsotropicKDNConfig:
+    """Isotropic KDN's options (the ``mixer.*`` keys of training; each checked here, once, when it is made).
+
+    ``mu``: the information scale, one of :data:`MU_CHOICES` or a positive number (a numeric string is read as one);
+    ``noise``: which of the noises are learned (:data:`NOISE_CHOICES`); ``alpha_param``: the retention gate,
+    ``"kda"`` or ``"sigmoid"``; ``precision``: the CUDA memory's, ``"bf16"`` or ``"fp32"`` (docs/kernels.md,
+    "Precision"); ``backend``: the op's backend (``None``: Triton on CUDA, PyTorch elsewhere)."""
+
+    mu: str | float = "dk"
+    noise: str = "learned"
+    alpha_param: str = "kda"
+    precision: str = "bf16"
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        mu = self.mu
+        if isinstance(mu, bool):
+            raise ValueError(f"mu must be one of {MU_CHOICES} or a positive number, got {mu!r}")
+        if str(mu) in MU_CHOICES:
+            mu = str(mu)
+        else:
+            try:
+                mu = float(mu)
+            except (TypeError, ValueError):
+                raise ValueError(f"mu must be one of {MU_CHOICES} or a positive number, got {mu!r}") from None
+            if not mu > 0:
+                raise ValueError(f"mu must be > 0, got {mu}")
+        self.mu = mu
+        if self.noise not in NOISE_CHOICES:
+            raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {self.noise!r}")
+        if self.alpha_param not in ALPHA_PARAMS:
+            raise ValueError(f"alpha_param must be one of {ALPHA_PARAMS}, got {self.alpha_param!r}")
+        check_precision(self.precision, getattr(self, "memory", "asym"))
+
+
+@dataclass
+class DiagonalKDNConfig(IsotropicKDNConfig):
+    """Diagonal KDN's options: Isotropic KDN's, and the CUDA memory's route (``memory``, ``"asym"`` or ``"dplr"``,
+    with ``chunk_size``: :func:`kdn.ops.diagonal_kdn`)."""
+
+    memory: str = "asym"
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_memory(self.memory, self.chunk_size)
+        super().__post_init__()
 
 
 class _KalmanDelta(nn.Module):
     isotropic: bool = False
+    Config: type[IsotropicKDNConfig] = IsotropicKDNConfig
 
     def __init__(
-        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *,
-        mu: str | float = "dk", alpha_param: str = "kda", noise: str = "learned",
-        conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int | None = None,
-        backend: str | None = None, fused: bool = True, recompute_states: bool = False, memory: str = "asym",
-        chunk_size: int | None = None, precision: str = "bf16",
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128,
+        config: IsotropicKDNConfig | None = None, *, conv_size: int = 4, norm_eps: float = 1e-5,
+        layer_idx: int | None = None, fused: bool = True, recompute_states: bool = False, **options: Any,
     ) -> None:
+        """``config`` (:attr:`Config`, its defaults when ``None``) with ``options`` (its fields) replaced."""
         super().__init__()
-        check_memory(memory, chunk_size)
-        self.precision = check_precision(precision, memory)
-        if self.isotropic and (memory, chunk_size) not in (("asym", None), ("asym", 64)):
-            raise ValueError(f"IsotropicKDN runs the asymmetric memory only; drop memory={memory!r} / "
-                             f"chunk_size={chunk_size!r}")
+        config = config or self.Config()
+        unknown = sorted(set(options) - {f.name for f in fields(config)})
+        if unknown:
+            raise ValueError(f"{type(self).__name__} does not take {unknown}; its options are the fields of "
+                             f"{type(config).__name__}: {[f.name for f in fields(config)]}")
+        self.config = c = replace(config, **options)
         for name, flag in (("fused", fused), ("recompute_states", recompute_states)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        self.fused, self.recompute_states, self.memory, self.chunk_size = fused, recompute_states, memory, chunk_size
-        if noise not in NOISE_CHOICES:
-            raise ValueError(f"noise must be one of {NOISE_CHOICES}, got {noise!r}")
-        if isinstance(mu, str) and mu not in MU_CHOICES:
-            raise ValueError(f"mu must be one of {MU_CHOICES} or a positive float, got {mu!r}")
-        if not isinstance(mu, str) and not float(mu) > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
+        self.fused, self.recompute_states, self.precision = fused, recompute_states, c.precision
+        self.memory, self.chunk_size = getattr(c, "memory", "asym"), getattr(c, "chunk_size", None)
+        mu, noise, alpha_param, backend = c.mu, c.noise, c.alpha_param, c.backend
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.layer_idx, self.backend, self.noise, self.mu_choice = layer_idx, backend, noise, mu
         H, K = num_heads, head_dim
@@ -199,6 +248,7 @@ class DiagonalKDN(_KalmanDelta):
     """Diagonal KDN: ``K`` uncertainty scalars per head, per-channel process noise (low-rank)."""
 
     isotropic = False
+    Config = DiagonalKDNConfig
 
 
 class IsotropicKDN(_KalmanDelta):

@@ -15,6 +15,8 @@ restarts positions at each document.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,6 +28,20 @@ from models.layers.common import check_cu_seqlens, current_mask
 from models.layers.window_attention import block_mask_for, compiled_for, flex_windowed
 
 BACKENDS = ("auto", "flex", "sdpa")
+
+
+@dataclass
+class AttentionConfig:
+    """The attention mixer's options (``mixer=attn``): none of its own. Its window is the backbone's (one knob for
+    every attention layer: ``KDNConfig.window``, the size table's by default, ``backbone.window`` in training;
+    ``None``, or the ``A`` layer code, is full attention), checked by :func:`check_window`, and its RoPE base is the
+    backbone's ``rope_theta``."""
+
+
+def check_window(window: object) -> None:
+    """Refuse a window that is neither a positive int (tokens of the sliding window) nor ``None`` (full attention)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"window must be a positive int (sliding window) or None (full attention), got {window!r}")
 
 
 def rope_angles(pos: Tensor, K: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -76,15 +92,14 @@ class Attention(nn.Module):
     ``backend`` of masked attention (module docstring)."""
 
     def __init__(
-        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *, window: int | None = 2048,
+        self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int = 128, *, window: int | None,
         rope_theta: float = 10000.0, layer_idx: int | None = None, backend: str = "auto",
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)} (auto: flex_attention's block masks on CUDA, "
                              f"dense SDPA masks elsewhere), got {backend!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-            raise ValueError(f"window must be a positive int (sliding window) or None (full attention), got {window!r}")
+        check_window(window)
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
