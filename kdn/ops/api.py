@@ -27,9 +27,9 @@ from kdn.ops import gain as _gain
 from kdn.ops import naive as _naive
 from kdn.ops.gate import kda_gate
 from kdn.ops.packing import repack, unpack
+from kdn.ops.utils import State
 from kdn.ops.validate import check_cu_seqlens, check_memory, check_precision, check_shape, check_values
 
-State = tuple[Tensor, Tensor]
 BACKENDS = ("torch", "triton")
 
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kdn.ops import gain as _gain
-
-State = tuple[Tensor, Tensor]
+from kdn.ops.utils import State
 
 MEMORY_CHUNK = 32
 # Largest in-chunk log-decay span for which exp(gc_t) and exp(-gc_s) are both representable with ample
