@@ -1,7 +1,7 @@
 """The one-launch Diagonal gain (:mod:`kdn.ops.triton.gain_lookback`) on the CPU, through Triton's interpreter.
 
-Against the float64 PyTorch reference (``kdn.ops.gain``), FP32: the gain, the final uncertainty and the gradient of
-every input (``mu`` and ``p0`` included) over several groups of segments (the carries cross groups), ``K`` not a
+Against the float64 PyTorch reference (``kdn.ops.torch_gain``), FP32: the gain, the final uncertainty and the gradient
+of every input (``mu`` and ``p0`` included) over several groups of segments (the carries cross groups), ``K`` not a
 power of two, strong forgetting, omega before its softplus, fla's DPLR operands, packed sequences (an empty one, a
 one-token one, one shorter than a segment) and a bf16 gain; bitwise the same on a second run; against the
 three-launch gain, the same values to FP32 rounding. Diagonal KDN's gain and asymmetric memory as one node with the

@@ -2,7 +2,7 @@
 interpreter.
 
 ``TRITON_INTERPRET=1`` must be set before ``kdn.ops.triton`` is imported, so the checks run in a fresh
-interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.ops.gain``): value, final
+interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.ops.torch_gain``): value, final
 uncertainty and the gradient of every input (``mu`` and the initial uncertainty included). Sizes cross the
 Isotropic kernels' chunk boundaries (32 tokens), ``K`` is not a power of two, some tokens
 forget strongly (``g`` down to -12). Small forced segments (the kernels' ``segment_size``) run the sequence-
@@ -26,7 +26,7 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from kdn.ops import fused_recurrent, gain as ref, naive, triton as kt
+from kdn.ops import fused_recurrent, naive, torch_gain as ref, triton as kt
 from kdn_inputs import make_inputs, make_state, rel_err
 
 

@@ -1,6 +1,6 @@
 """Packed sequences (``cu_seqlens``) in the CUDA backend, on the CPU through Triton's interpreter.
 
-Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.ops.gain``) run on each
+Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.ops.torch_gain``) run on each
 sequence alone with its own initial uncertainty: values, final states and every gradient. Lengths
 (1, 37, 64, 0, 5, 90) with forced segments of one and two 32-token chunks make segments end inside a sequence,
 at its end and past it (the empty sequence keeps its initial uncertainty). Memory: ``chunk_diagonal_kdn``
@@ -32,7 +32,7 @@ def _offsets(lens: tuple[int, ...]) -> list[int]:
 
 def _reference_gains(iso: bool, dplr: bool, l64: dict, cu: list[int]) -> tuple[torch.Tensor, ...]:
     """float64 gains, each sequence alone with its own initial uncertainty (an empty one keeps it)."""
-    from kdn.ops import gain as ref
+    from kdn.ops import torch_gain as ref
 
     fn = ref.isotropic_gain if iso else ref.diagonal_gain
     gains, finals = [], []

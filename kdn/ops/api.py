@@ -1,7 +1,7 @@
 """The public functional API of KDN (docs/math.md §1–6): validation and dispatch.
 
 ``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences (``cu_seqlens``) and dispatch
-to a backend: ``"torch"`` (the chunked PyTorch path, :mod:`kdn.ops.chunk`, any device) or ``"triton"`` (the CUDA
+to a backend: ``"torch"`` (the chunked PyTorch path, :mod:`kdn.ops.torch_chunk`, any device) or ``"triton"`` (the CUDA
 kernels, :mod:`kdn.ops.triton.kdn`). ``*_gain`` run the gain scans alone, ``*_step`` one decoding token (the fused
 Triton step, :mod:`kdn.ops.fused_recurrent`, on CUDA without autograd; else :mod:`kdn.ops.naive`), and
 ``exact_kalman_memory`` the dense-covariance reference. Computation is in FP32 (float64 when given float64);
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.ops import chunk as _chunk
-from kdn.ops import gain as _gain
 from kdn.ops import naive as _naive
+from kdn.ops import torch_chunk as _chunk
+from kdn.ops import torch_gain as _gain
 from kdn.ops.gate import kda_gate
 from kdn.ops.packing import repack, unpack
 from kdn.ops.utils import State

@@ -10,7 +10,7 @@ Projections, short convolutions, the retention gate and the output block come fr
 whose other parameters are fla's ``GatedDeltaNet2``'s) or ``"none"`` (plain RMSNorm: DeltaNet).
 
 Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
-``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.chunk.memory_chunk` scans on any device
+``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.torch_chunk.memory_chunk` scans on any device
 (``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``; KDA through ours, :class:`KDA`).
 Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents. ``fused``: the fused CUDA
 front end (:class:`kdn.modules.DeltaFrontEnd`); ``recompute_states``: KDA's memory backward recomputes its states
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from kdn.layers import RecurrentCache
 from kdn.modules import DeltaFrontEnd, GatedRMSNorm, Linear, upcast
-from kdn.ops.chunk import MEMORY_CHUNK, memory_chunk
+from kdn.ops.torch_chunk import MEMORY_CHUNK, memory_chunk
 from models.layers.common import (
     RMSNorm,
     check_cu_seqlens,

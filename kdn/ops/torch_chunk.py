@@ -7,7 +7,7 @@ carried. Decay ratios ``Gamma_t / Gamma_s`` come from cumulative log-retention `
 as ``exp(gc_t - gc_s)`` masked before exponentiation, so strong forgetting neither overflows nor loses accuracy.
 
 :func:`torch_diagonal_kdn` and :func:`torch_isotropic_kdn` are the whole chunked PyTorch path of the two KDNs: the
-gain scans of :mod:`kdn.ops.gain`, then :func:`memory_chunk`.
+gain scans of :mod:`kdn.ops.torch_gain`, then :func:`memory_chunk`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.ops import gain as _gain
+from kdn.ops import torch_gain as _gain
 from kdn.ops.utils import State
 
 MEMORY_CHUNK = 32
