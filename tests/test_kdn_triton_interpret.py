@@ -121,6 +121,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     ``k`` and ``g`` cut (``dropped``: what a missing accumulate would give). ``segment_size``: tokens per gain
     segment (default: the rule); ``one_pass``: Diagonal KDN's gain in one launch a direction."""
     import kdn
+    from kdn.ops import chunk as kc
     from kdn.ops import triton as kt
     from kdn.ops.gate import kda_gate
     from kdn.ops.triton.memory import _AsymmetricMemory
@@ -169,7 +170,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
                 *(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]), output_final_state=True,
                 backend="torch", **kw)
         elif kind == "fused":
-            o, (S, uT) = (kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn)(
+            o, (S, uT) = (kc.chunk_isotropic_kdn if iso else kc.chunk_diagonal_kdn)(
                 *(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), segment_size=segment_size, **kw,
                 **fused_kw)
         else:

@@ -1,6 +1,6 @@
 """The delta-rule baselines' fla kernel paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-FP32, one fresh interpreter: for Gated DeltaNet, KDA (through ``kdn.ops.triton.chunk_kda``) and GDN-2, the
+FP32, one fresh interpreter: for Gated DeltaNet, KDA (through ``kdn.ops.chunk.chunk_kda``) and GDN-2, the
 ``backend="fla"`` path (with the fused front end: ``kdn.modules.conv``, fla's KDA gate and norms) against the PyTorch
 path, output and every gradient, on a padded batch; and our layer against fla's own layer with the mapped weights.
 DeltaNet is left to the GPU test (``tests/test_mixers_gpu.py``): fla's ``chunk_delta_rule`` refuses FP32 and the

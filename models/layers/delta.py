@@ -14,7 +14,7 @@ Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u
 (``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``; KDA through ours, :class:`KDA`).
 Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents. ``fused``: the fused CUDA
 front end (:class:`kdn.modules.DeltaFrontEnd`); ``recompute_states``: KDA's memory backward recomputes its states
-(:func:`kdn.ops.triton.kdn.chunk_kda`).
+(:func:`kdn.ops.chunk.chunk_kda`).
 """
 from __future__ import annotations
 
@@ -291,7 +291,7 @@ class GatedDeltaNet(_ScalarBetaRule):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         if self.runs_as_kda():  # forward made the check (checks_safe_gate)
-            from kdn.ops.triton import chunk_kda
+            from kdn.ops.chunk import chunk_kda
 
             gk = g.float()[..., None].expand_as(k).contiguous()
             return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
@@ -304,7 +304,7 @@ class GatedDeltaNet(_ScalarBetaRule):
 
 class KDA(_ScalarBetaRule):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head. On CUDA the rule
-    runs through :func:`kdn.ops.triton.chunk_kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it:
+    runs through :func:`kdn.ops.chunk.chunk_kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it:
     fla's chunk-64 kernels with our faster WY backward), the values of fla's ``chunk_kda``."""
 
     gate = "channel"
@@ -315,7 +315,7 @@ class KDA(_ScalarBetaRule):
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
-        from kdn.ops.triton import chunk_kda
+        from kdn.ops.chunk import chunk_kda
 
         return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                          initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,
