@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 import models
+from common.device import device_name
 from data import load_tokenizer
 from eval.generation import AUTO, BatchSearch, greedy_generate, resolve_batch_size
 from eval.harness import batch_used, make_lm
-from eval.results import device_name, versions
+from eval.results import versions
 from trainer.checkpoint import write_json_atomic
 
 # task -> (documents, choices per document, context tokens, continuation tokens); counts of the splits lm-eval

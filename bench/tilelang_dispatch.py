@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eval.results import device_name, git_commit, versions
+from common.device import device_name
+from eval.results import git_commit, versions
 from trainer.checkpoint import write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"

@@ -26,8 +26,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from common import read_jsonl, write_atomic, write_json_atomic
 
 SCHEMA = 1
@@ -69,12 +67,6 @@ def versions(extra: tuple[str, ...] = ()) -> dict[str, str | None]:
             out[pkg] = None
     out["kdn"] = git_commit()
     return out
-
-
-def device_name(device: torch.device | str) -> str:
-    """``"NVIDIA H200"``-style name of a CUDA device, else ``"cpu"``."""
-    device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def sha256_text(text: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from common.device import device_name
 from eval.harness import (
     ACC_METRIC,
     Unavailable,
@@ -27,7 +28,7 @@ from eval.harness import (
     task_manager,
 )
 from eval.model_dir import Target, check_context
-from eval.results import ResultsFile, SampleLog, device_name, suite_payload
+from eval.results import ResultsFile, SampleLog, suite_payload
 
 log = logging.getLogger("evaluate")
 RETRIEVAL_TASKS = ("swde", "fda", "squad", "triviaqa", "nq", "drop")

@@ -2,21 +2,11 @@
 
 Tiers, as fla's: :mod:`kdn.ops` (the functional ops), :mod:`kdn.modules` (``nn`` building blocks),
 :mod:`kdn.layers` (the mixers). Importing the package reads no environment variable and writes none.
+The functional API is :mod:`kdn.ops`' own list (``kdn.ops.__all__``), re-exported as it stands.
 """
+from kdn import ops
 from kdn.layers import DiagonalKDN, IsotropicKDN, RecurrentCache
 from kdn.modules import DeltaFrontEnd, GatedRMSNorm, ShortConv
-from kdn.ops import (
-    diagonal_kdn,
-    diagonal_kdn_gain,
-    diagonal_kdn_step,
-    exact_kalman_memory,
-    isotropic_kdn,
-    isotropic_kdn_gain,
-    isotropic_kdn_step,
-)
+from kdn.ops import *  # noqa: F403 - the names of kdn.ops.__all__
 
-__all__ = [
-    "diagonal_kdn", "isotropic_kdn", "exact_kalman_memory",
-    "diagonal_kdn_gain", "isotropic_kdn_gain", "diagonal_kdn_step", "isotropic_kdn_step",
-    "DiagonalKDN", "IsotropicKDN", "RecurrentCache", "DeltaFrontEnd", "GatedRMSNorm", "ShortConv",
-]
+__all__ = [*ops.__all__, "DiagonalKDN", "IsotropicKDN", "RecurrentCache", "DeltaFrontEnd", "GatedRMSNorm", "ShortConv"]

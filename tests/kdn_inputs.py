@@ -43,12 +43,12 @@ def rel_err(x: Tensor, ref: Tensor) -> float:
 
 def packed_diagonal_gain(k: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor, p0: Tensor,
                          lens: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:
-    """The PyTorch reference Diagonal gain (``kdn.ops.gain.diagonal_gain``) of ``[1, sum(lens), ...]`` packed
+    """The PyTorch reference Diagonal gain (``kdn.ops.torch_gain.diagonal_gain``) of ``[1, sum(lens), ...]`` packed
     sequences, one at a time (``lens`` None: the batch as it is); an empty sequence keeps its ``p0``. Returns
     ``kappa [1, T, H, K]`` and ``p_T [N, H, K]``."""
     import itertools
 
-    from kdn.ops import gain
+    from kdn.ops import torch_gain as gain
 
     if lens is None:
         return gain.diagonal_gain(k, g, omega, r, mu, p0)

@@ -6,9 +6,9 @@ import torch
 from kdn_inputs import make_inputs, make_state, rel_err
 
 import kdn
-from kdn.ops import chunk as kchunk
-from kdn.ops import gain as kgain
 from kdn.ops import naive
+from kdn.ops import torch_chunk as kchunk
+from kdn.ops import torch_gain as kgain
 
 f64 = torch.float64
 

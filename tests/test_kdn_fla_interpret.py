@@ -1,6 +1,6 @@
 """The CUDA backend's fla-based paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-In FP32 against the float64 PyTorch reference: the whole CUDA Diagonal and Isotropic KDN (``kdn.ops.triton.kdn``)
+In FP32 against the float64 PyTorch reference: the whole CUDA Diagonal and Isotropic KDN (``kdn.ops.chunk``)
 through fla's asymmetric chunk-64 kernels and our WY backward (``memory="asym"``; the Isotropic write key is
 ``beta k``; with an initial memory; the WY terms and chunk states kept from the forward, and recomputed in the
 backward, ``recompute_states=True``, with identical gradients), each through both of fla's paths for the diagonal
@@ -33,6 +33,7 @@ sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 import kdn
+from kdn.ops import chunk as kc
 from kdn.ops import triton as kt
 from kdn.ops.triton.safe_gate import safe_gate
 from kdn_inputs import make_inputs, make_state, rel_err
@@ -56,7 +57,7 @@ for iso, B, T, g_min, with_S0, seg in ((False, 2, 66, -3.0, True, None), (False,
     fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
     o64, (S64, e64) = fn(*(l64[n] for n in names), mu=mu.double(), initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, backend="torch")
-    tf = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
+    tf = kc.chunk_isotropic_kdn if iso else kc.chunk_diagonal_kdn
     o32, (S32, e32) = tf(*(l32[n] for n in names), mu, (l32.get("S0"), l32["u0"]), scale=0.37, segment_size=seg)
     gen = torch.Generator().manual_seed(0)
     ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o64, S64, e64)]

@@ -20,6 +20,7 @@ sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.kda", "fla.ops.precond_kda.chunk")
 import kdn
+from kdn.ops import chunk as kc
 from kdn.ops import triton as kt
 from kdn_inputs import make_inputs, rel_err
 
@@ -38,7 +39,7 @@ def run(iso, lens):
     S0 = torch.randn(N, H, K, K, generator=gen, dtype=torch.float64)
     u0 = torch.rand(*((N, H) if iso else (N, H, K)), generator=gen, dtype=torch.float64) + 0.5
     mu = torch.full((H,), float(K), dtype=torch.float64)
-    fn = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
+    fn = kc.chunk_isotropic_kdn if iso else kc.chunk_diagonal_kdn
     outs = {}
     for route in ("ref", "default", "bf16", "fp32"):
         # bf16 q, k, v for the fp32 route; FP32 for the default and bf16 ones, whose bf16 memory kernels the

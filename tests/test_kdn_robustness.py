@@ -2,7 +2,7 @@
 
 FP32 stays finite and matches float64 where float64 is finite: a tiny observation noise ``r``, a huge process noise
 ``omega`` or information scale ``mu`` (each token's Möbius matrix is formed already divided by ``(1 + u)(1 + w)``,
-``kdn.ops.gain``). Zero-sized dimensions and a float64 tensor among FP32 ones are refused with one-line errors.
+``kdn.ops.torch_gain``). Zero-sized dimensions and a float64 tensor among FP32 ones are refused with one-line errors.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kdn_inputs import make_inputs, make_state, rel_err
 
 import kdn
-from kdn.ops import chunk as kchunk
+from kdn.ops import torch_chunk as kchunk
 
 pytestmark = pytest.mark.gpu
 TOL = {"o": 0.0075, "q": 0.008, "k": 0.008, "v": 0.008, "S0": 0.008, "g": 0.02, "omega": 0.02, "r": 0.03,
@@ -132,7 +132,7 @@ def test_gain_scan_fp32_is_tight(isotropic: bool, softplus: bool, K: int) -> Non
     """The fused Triton gain alone, FP32 against float64: the gain, the final uncertainty and the gradient
     of every input (mu included); Diagonal also through its DPLR operands ``a = exp(g) k``, ``b = -kappa``, and
     with ``omega`` before its softplus (applied in the kernels)."""
-    from kdn.ops import gain as tgain
+    from kdn.ops import torch_gain as tgain
     from kdn.ops import triton as kt
 
     B, T, H = 2, 3000, 8

@@ -2,7 +2,7 @@
 interpreter.
 
 ``TRITON_INTERPRET=1`` must be set before ``kdn.ops.triton`` is imported, so the checks run in a fresh
-interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.ops.gain``): value, final
+interpreter. Gains are compared in FP32 with the float64 PyTorch reference (``kdn.ops.torch_gain``): value, final
 uncertainty and the gradient of every input (``mu`` and the initial uncertainty included). Sizes cross the
 Isotropic kernels' chunk boundaries (32 tokens), ``K`` is not a power of two, some tokens
 forget strongly (``g`` down to -12). Small forced segments (the kernels' ``segment_size``) run the sequence-
@@ -28,7 +28,7 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from kdn.ops import fused_recurrent, gain as ref, naive, triton as kt
+from kdn.ops import fused_recurrent, naive, torch_gain as ref, triton as kt
 from kdn_inputs import make_inputs, make_state, rel_err
 
 
@@ -123,6 +123,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
     of ``k`` and ``g`` (``dropped``: what a missing accumulate would give; from the same backward, in float64).
     ``segment_size``: tokens per gain segment (default: the rule)."""
     import kdn
+    from kdn.ops import chunk as kc
     from kdn.ops import triton as kt
     from kdn.ops.gate import kda_gate
     from kdn.ops.triton.memory import _AsymmetricMemory
@@ -173,7 +174,7 @@ def fused_errors(lens: tuple[int, ...] | None, B: int, T: int, g_min: float, sof
                 *(lv[n] for n in names), mu=lv["mu"], initial_state=(lv["S0"], lv["u0"]), output_final_state=True,
                 backend="torch", **kw)
         elif kind == "fused":
-            o, (S, uT) = (kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn)(
+            o, (S, uT) = (kc.chunk_isotropic_kdn if iso else kc.chunk_diagonal_kdn)(
                 *(lv[n] for n in names), lv["mu"], (lv["S0"], lv["u0"]), segment_size=segment_size, **kw)
         else:
             o, S, uT, k_mem, g_mem = unfused(lv)

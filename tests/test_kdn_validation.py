@@ -105,7 +105,7 @@ def test_dplr_memory_refuses_chunk_64() -> None:
     with pytest.raises(ValueError, match="memory='dplr' takes chunk_size 16 or 32, got 64"):
         kdn.diagonal_kdn(**x, memory="dplr", chunk_size=64)
     pytest.importorskip("triton")
-    from kdn.ops.triton import chunk_diagonal_kdn
+    from kdn.ops.chunk import chunk_diagonal_kdn
 
     state = (None, torch.ones(1, 2, 4))
     with pytest.raises(ValueError, match="memory='dplr' takes chunk_size 16 or 32, got 64"):

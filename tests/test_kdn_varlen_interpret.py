@@ -1,6 +1,6 @@
 """Packed sequences (``cu_seqlens``) in the CUDA backend, on the CPU through Triton's interpreter.
 
-Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.ops.gain``) run on each
+Gains: the fused kernels with ``cu_seqlens`` against the float64 PyTorch reference (``kdn.ops.torch_gain``) run on each
 sequence alone with its own initial uncertainty: values, final states and every gradient. Lengths
 (1, 37, 64, 0, 5, 90) with forced segments of one and two 32-token chunks (the Diagonal gain: lengths
 (1, 10, 16, 0, 5, 22) and segments of 8 and 16 tokens) make segments end inside a sequence, at its end and past it
@@ -33,7 +33,7 @@ def _offsets(lens: tuple[int, ...]) -> list[int]:
 
 def _reference_gains(iso: bool, dplr: bool, l64: dict, cu: list[int]) -> tuple[torch.Tensor, ...]:
     """float64 gains, each sequence alone with its own initial uncertainty (an empty one keeps it)."""
-    from kdn.ops import gain as ref
+    from kdn.ops import torch_gain as ref
 
     fn = ref.isotropic_gain if iso else ref.diagonal_gain
     gains, finals = [], []
@@ -89,7 +89,7 @@ def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool,
     float64: relative errors of the output, the final states and every gradient (``mu``; ``S0 [N,H,K,V]`` when
     ``with_S0``, else a zero memory)."""
     import kdn
-    from kdn.ops import triton as kt
+    from kdn.ops import chunk as kc
 
     cu = torch.tensor(_offsets(lens), device=device)
     N, T = len(lens), int(cu[-1])
@@ -103,7 +103,7 @@ def memory_errors(iso: bool, lens: tuple[int, ...], g_min: float, with_S0: bool,
     fn = kdn.isotropic_kdn if iso else kdn.diagonal_kdn
     o64, (S64, e64) = fn(*(l64[n] for n in MEMORY_NAMES), mu=l64["mu"], initial_state=(l64.get("S0"), l64["u0"]),
                          scale=0.37, output_final_state=True, cu_seqlens=cu, backend="torch")
-    tf = kt.chunk_isotropic_kdn if iso else kt.chunk_diagonal_kdn
+    tf = kc.chunk_isotropic_kdn if iso else kc.chunk_diagonal_kdn
     o32, (S32, e32) = tf(*(l32[n] for n in MEMORY_NAMES), l32["mu"], (l32.get("S0"), l32["u0"]), scale=0.37,
                          cu_seqlens=cu, segment_size=segment_size)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -295,10 +295,10 @@ def test_packed_gain_inputs_are_checked(isotropic: bool) -> None:
 
 def test_dplr_memory_refuses_packed_sequences() -> None:
     pytest.importorskip("fla")
-    from kdn.ops import triton as kt
+    from kdn.ops import chunk as kc
 
     k, g, omega, r, mu, p0 = _gain_inputs(10, 2, False)
     q, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
     with pytest.raises(NotImplementedError, match="kdn.ops.api's unpacking for the DPLR memory"):
-        kt.chunk_diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), cu_seqlens=torch.tensor([0, 4, 10]),
+        kc.chunk_diagonal_kdn(q, k, v, g, omega, r, mu, (None, p0), cu_seqlens=torch.tensor([0, 4, 10]),
                               memory="dplr")

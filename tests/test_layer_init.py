@@ -60,15 +60,15 @@ def test_the_sigmoid_gates_bias_gives_each_head_its_own_A() -> None:
     and each channel's decay ``-log alpha_0`` over its ``dt`` is its head's ``A``: one value for all channels of a
     head, differing across heads as ``A`` does (``A`` repeated head after head along the channels would give a head
     the values of several)."""
-    from kdn.modules import DeltaFrontEnd
+    from kdn.modules import kda_retention, sigmoid_retention
 
     heads, width = 4, 8
-    fronts = {}
-    for alpha in ("kda", "sigmoid"):
+    gates = {}
+    for alpha, build in (("kda", kda_retention), ("sigmoid", sigmoid_retention)):
         torch.manual_seed(3)
-        fronts[alpha] = DeltaFrontEnd(D, heads, width, alpha_param=alpha)
-    A = fronts["kda"].A_log.detach().double().exp()  # [H]
-    dt = F.softplus(fronts["kda"].dt_bias.detach().double())  # [H*K]
+        gates[alpha] = build(heads, heads * width)
+    A = gates["kda"]["A_log"].detach().double().exp()  # [H]
+    dt = F.softplus(gates["kda"]["dt_bias"].detach().double())  # [H*K]
     assert len(set(A.tolist())) == heads and A.max() - A.min() > 1
-    per_channel = (-F.logsigmoid(fronts["sigmoid"].gate_bias.detach().double()) / dt).view(heads, width)
+    per_channel = (-F.logsigmoid(gates["sigmoid"]["gate_bias"].detach().double()) / dt).view(heads, width)
     torch.testing.assert_close(per_channel, A[:, None].expand(heads, width), rtol=1e-3, atol=0)

@@ -1,6 +1,6 @@
 """The delta-rule baselines' fla kernel paths on the CPU, through Triton's interpreter (``tests/triton_interpret.py``).
 
-FP32, one fresh interpreter per mixer: for Gated DeltaNet, KDA (through ``kdn.ops.triton.chunk_kda``) and GDN-2, the
+FP32, one fresh interpreter per mixer: for Gated DeltaNet, KDA (through ``kdn.ops.chunk.chunk_kda``) and GDN-2, the
 ``backend="fla"`` path with the fused front end (``kdn.modules.conv``, fla's KDA gate and norms) against the PyTorch
 path with the PyTorch front end (``fused=False``, the same weights), output and every gradient, on a padded batch of
 two chunks; and that PyTorch layer against fla's own layer with the mapped weights. The two comparisons together

@@ -6,6 +6,8 @@ import os
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 
+from common.device import resolve_device
+from common.options import OptionError
 from trainer.config import ConfigError, TrainerConfig
 
 
@@ -18,11 +20,13 @@ def export_slurm_env() -> None:
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def resolve_device(t: TrainerConfig) -> tuple[bool, str]:
-    """``(use_cpu, precision)`` with ``precision`` in ``{"bf16", "fp32"}`` (auto: bf16 on GPU, fp32 on CPU)."""
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device: 'cuda' requested but no CUDA device is visible; use auto or cpu")
-    cpu = t.device == "cpu" or not torch.cuda.is_available()
+def device_and_precision(t: TrainerConfig) -> tuple[bool, str]:
+    """``(use_cpu, precision)`` with ``precision`` in ``{"bf16", "fp32"}`` (auto: bf16 on GPU, fp32 on CPU); the
+    device as every tool resolves it (:func:`common.resolve_device`)."""
+    try:
+        cpu = resolve_device(t.device, "trainer.device").type == "cpu"
+    except OptionError as err:
+        raise ConfigError(str(err)) from None
     precision = ("fp32" if cpu else "bf16") if t.precision == "auto" else t.precision
     if t.distributed == "fsdp" and cpu:
         raise ConfigError("trainer.distributed: fsdp needs CUDA devices; use ddp on the CPU")
@@ -32,7 +36,7 @@ def resolve_device(t: TrainerConfig) -> tuple[bool, str]:
 def world_size(t: TrainerConfig) -> int:
     """Number of data-parallel processes (initialises the process group when launched distributed)."""
     export_slurm_env()
-    cpu, _ = resolve_device(t)
+    cpu, _ = device_and_precision(t)
     return PartialState(cpu=cpu).num_processes
 
 
@@ -62,7 +66,7 @@ def fsdp_plugin(precision: str) -> FullyShardedDataParallelPlugin:
 def build_accelerator(t: TrainerConfig, grad_accum: int) -> tuple[Accelerator, str]:
     """The run's ``Accelerator`` (DDP or FSDP2, bf16 autocast or FP32, optional ``torch.compile``)
     and the resolved precision."""
-    cpu, precision = resolve_device(t)
+    cpu, precision = device_and_precision(t)
     fsdp = fsdp_plugin(precision) if t.distributed == "fsdp" else None
     if not cpu:
         cuda_matmul_defaults()

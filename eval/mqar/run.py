@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from common import write_json_atomic
+from common.device import device_name, resolve_device
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
 from eval.mqar.train import (
@@ -117,16 +118,6 @@ def flatten(job: dict[str, Any]) -> list[dict[str, Any]]:
     """A job's result as one record per setting: the setting's accuracies and state, with the job's fields."""
     common = {k: v for k, v in job.items() if k not in ("records", "curve", "identity")}
     return [{**common, **r} for r in job["records"]]
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
-    return device
 
 
 def partial_path(out: str | Path, job: Job) -> Path:
@@ -258,13 +249,6 @@ def stored(cfg: MQARConfig) -> tuple[list[dict[str, Any]], list[Job]]:
         else:
             results.append(done)
     return results, todo
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

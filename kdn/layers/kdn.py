@@ -19,7 +19,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kdn.layers.cache import RecurrentCache
-from kdn.modules import DeltaFrontEnd, Linear, current_mask, finish, inv_softplus, low_rank, upcast
+from kdn.modules import (
+    DeltaFrontEnd,
+    GatedRMSNorm,
+    Linear,
+    ShortConv,
+    current_mask,
+    finish,
+    inv_softplus,
+    kda_retention,
+    low_rank,
+    sigmoid_retention,
+    upcast,
+)
 from kdn.ops import api
 from kdn.ops.validate import check_memory, check_precision
 
@@ -104,8 +116,22 @@ class _KalmanDelta(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.layer_idx, self.backend, self.noise, self.mu_choice = layer_idx, backend, noise, mu
         H, K = num_heads, head_dim
-        self.front = DeltaFrontEnd(hidden_size, H, K, conv_size=conv_size, alpha_param=alpha_param,
-                                   norm_eps=norm_eps, fused=fused)
+        d, V = hidden_size, head_dim  # the value width of every head: expand_v = 1
+        self.front = DeltaFrontEnd(  # registered in this order: the state dict's keys "front.<name>"
+            H, K, V, alpha_param=alpha_param, gate="channel", fused=fused,
+            q_proj=Linear(d, H * K, bias=False),  # [H*K, d]
+            k_proj=Linear(d, H * K, bias=False),  # [H*K, d]
+            v_proj=Linear(d, H * V, bias=False),  # [H*V, d]
+            q_conv1d=ShortConv(H * K, conv_size, fused=fused),  # [H*K, 1, W]
+            k_conv1d=ShortConv(H * K, conv_size, fused=fused),  # [H*K, 1, W]
+            v_conv1d=ShortConv(H * V, conv_size, fused=fused),  # [H*V, 1, W]
+            f_proj=low_rank(d, V, H * K),  # per-channel retention: [V, d], [H*K, V]
+            # kda: A_log [H], dt_bias [H*K]; sigmoid: gate_bias [H*K]
+            retention=(kda_retention if alpha_param == "kda" else sigmoid_retention)(H, H * K),
+            g_proj=low_rank(d, V, H * V, bias=True),  # output gate: [V, d], [H*V, V] + bias [H*V]
+            o_norm=GatedRMSNorm(V, eps=norm_eps, fused=fused),  # [V], sigmoid-gated
+            o_proj=Linear(H * V, d, bias=False),  # [d, H*V]
+        )
         if noise == "learned":
             self.r_proj = Linear(hidden_size, H, bias=True)
             nn.init.zeros_(self.r_proj.bias)

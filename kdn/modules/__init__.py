@@ -1,6 +1,8 @@
 """The ``nn`` building blocks of the mixers (as fla's ``fla/modules``).
 
-- :mod:`kdn.modules.front_end`: :class:`DeltaFrontEnd` (projections, short convs, retention gate, gated output norm),
+- :mod:`kdn.modules.front_end`: :class:`DeltaFrontEnd` (what a delta mixer does with the projections, short convs,
+  retention gate and output norm its layer declares; :func:`kda_retention`, :func:`sigmoid_retention` build the
+  gate's parameters),
   :class:`ShortConv`, :class:`RMSNorm`, :class:`GatedRMSNorm`, :class:`Linear` / :func:`linear` (FP32 weight
   gradients under autocast, stacked projections), :func:`stacked_weights` (the stack kept between decoding steps) and
   :func:`cached_weight_casts`;
@@ -21,10 +23,12 @@ from kdn.modules.front_end import (
     input_stage,
     inv_softplus,
     kda_gate,
+    kda_retention,
     l2_normalize,
     linear,
     low_rank,
     positions_in_sequence,
+    sigmoid_retention,
     split_outputs,
     stacked_weights,
     upcast,
@@ -33,5 +37,5 @@ from kdn.modules.front_end import (
 __all__ = [
     "DeltaFrontEnd", "ShortConv", "RMSNorm", "GatedRMSNorm", "Linear", "linear", "low_rank", "input_stage", "finish",
     "split_outputs", "stacked_weights", "cached_weight_casts", "current_mask", "positions_in_sequence",
-    "inv_softplus", "kda_gate", "l2_normalize", "fla_fused", "upcast", "L2_EPS",
+    "inv_softplus", "kda_gate", "l2_normalize", "fla_fused", "upcast", "L2_EPS", "kda_retention", "sigmoid_retention",
 ]

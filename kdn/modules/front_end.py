@@ -361,54 +361,74 @@ def split_outputs(y: Tensor, layers: dict[str, nn.Linear]) -> dict[str, Tensor]:
     return out
 
 
-class DeltaFrontEnd(nn.Module):
-    """Projections, short convs, retention gate and gated output norm of a delta-rule mixer.
+def retention_init(num_heads: int, gate_dim: int) -> tuple[Tensor, Tensor]:
+    """KDA's initial retention: ``A [H] ~ U(1, 16)`` per head and ``dt [gate_dim]`` log-uniform in ``[1e-3, 0.1]`` per
+    channel (or head), drawn in that order, so that both parametrisations below start from one draw."""
+    A = torch.empty(num_heads).uniform_(1, 16)
+    dt = torch.exp(torch.rand(gate_dim) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return A, dt
 
-    Shapes: input ``x [B, T, d_model]``; ``q, k, g: [B, T, H, K]``; ``v: [B, T, H, V]``.
-    ``alpha_param``: ``"kda"`` (``g = -exp(A_log) softplus(f(x) + dt_bias)``) or ``"sigmoid"``
-    (``g = logsigmoid(f(x) + bias)``, initialised to the same retention distribution). ``fused``: the fused CUDA
-    kernels (ours and fla's) for the convolutions, L2 norms, gate and norm; ``False``: PyTorch everywhere.
+
+def _no_decay(x: Tensor) -> nn.Parameter:
+    param = nn.Parameter(x)
+    param._no_weight_decay = True
+    return param
+
+
+def kda_retention(num_heads: int, gate_dim: int) -> dict[str, nn.Parameter]:
+    """``{"A_log": [H], "dt_bias": [gate_dim]}`` of ``g = -exp(A_log) softplus(f(x) + dt_bias)`` (no weight decay)."""
+    A, dt = retention_init(num_heads, gate_dim)
+    return {"A_log": _no_decay(torch.log(A)), "dt_bias": _no_decay(inv_softplus(dt))}
+
+
+def sigmoid_retention(num_heads: int, gate_dim: int) -> dict[str, nn.Parameter]:
+    """``{"gate_bias": [gate_dim]}`` of ``g = logsigmoid(f(x) + gate_bias)``, starting at KDA's retention
+    ``alpha_0 = exp(-A_h dt_c)`` (no weight decay)."""
+    A, dt = retention_init(num_heads, gate_dim)
+    alpha0 = torch.exp(-A.repeat_interleave(gate_dim // num_heads) * dt).clamp(1e-4, 1 - 1e-4)
+    return {"gate_bias": _no_decay(torch.logit(alpha0))}
+
+
+RETENTION_KEYS = {"kda": ("A_log", "dt_bias"), "sigmoid": ("gate_bias",)}
+
+
+class DeltaFrontEnd(nn.Module):
+    """What a delta-rule mixer does around its memory, on the modules the mixer's layer declares and passes in.
+
+    Shapes: input ``x [B, T, d_model]``; ``q, k, g: [B, T, H, K]``; ``v: [B, T, H, V]``. The modules, each as its
+    layer builds it: ``q_proj, k_proj [H*K, d]``, ``v_proj [H*V, d]`` and their :class:`ShortConv` s; the retention
+    gate ``gate`` (``"channel"``: ``f_proj`` a :func:`low_rank` ``d -> V -> H*K``; ``"head"``: a ``[H, d]``
+    :class:`Linear`; ``"none"``: no ``f_proj``, no decay) with ``alpha_param`` ``"kda"`` (``A_log [H]``,
+    ``dt_bias``: :func:`kda_retention`) or ``"sigmoid"`` (``gate_bias``: :func:`sigmoid_retention`); the output gate
+    ``g_proj`` (``None``: ``o_norm`` is a plain RMSNorm) and ``o_norm`` per head, then ``o_proj [d, H*V]``. They are
+    registered in that order (the state dict's keys and order). ``fused``: the fused CUDA kernels (ours and fla's) for
+    the convolutions, L2 norms, gate and norm; ``False``: PyTorch everywhere.
     """
 
     def __init__(
-        self, hidden_size: int, num_heads: int, head_dim: int, *, expand_v: float = 1.0,
-        conv_size: int = 4, alpha_param: str = "kda", norm_eps: float = 1e-5, gate: str = "channel",
-        fused: bool = True,
+        self, num_heads: int, head_dim: int, value_dim: int, *, q_proj: nn.Linear, k_proj: nn.Linear,
+        v_proj: nn.Linear, q_conv1d: ShortConv, k_conv1d: ShortConv, v_conv1d: ShortConv, f_proj: nn.Module | None,
+        retention: dict[str, nn.Parameter], g_proj: nn.Module | None, o_norm: nn.Module, o_proj: nn.Linear,
+        alpha_param: str = "kda", gate: str = "channel", fused: bool = True,
     ) -> None:
         super().__init__()
-        if alpha_param not in ("kda", "sigmoid"):
+        if alpha_param not in RETENTION_KEYS:
             raise ValueError(f"alpha_param must be 'kda' or 'sigmoid', got {alpha_param!r}")
         if gate not in ("channel", "head", "none"):
             raise ValueError(f"gate must be 'channel', 'head' or 'none', got {gate!r}")
-        self.H, self.K = num_heads, head_dim
-        self.V = int(head_dim * expand_v)
+        want = RETENTION_KEYS[alpha_param] if gate != "none" else ()
+        if tuple(retention) != want or (f_proj is None) != (gate == "none"):
+            raise ValueError(f"gate={gate!r}, alpha_param={alpha_param!r} takes " + (
+                f"f_proj and retention parameters {', '.join(want)}" if want else "no f_proj and no retention")
+                + f", got f_proj={type(f_proj).__name__} and {', '.join(retention) or 'no retention'}")
+        self.H, self.K, self.V = num_heads, head_dim, value_dim
         self.alpha_param, self.gate, self.fused = alpha_param, gate, fused
-        key_dim, value_dim = self.H * self.K, self.H * self.V
-        self.q_proj = Linear(hidden_size, key_dim, bias=False)
-        self.k_proj = Linear(hidden_size, key_dim, bias=False)
-        self.v_proj = Linear(hidden_size, value_dim, bias=False)
-        self.q_conv1d = ShortConv(key_dim, conv_size, fused=fused)
-        self.k_conv1d = ShortConv(key_dim, conv_size, fused=fused)
-        self.v_conv1d = ShortConv(value_dim, conv_size, fused=fused)
-        if gate != "none":
-            gate_dim = key_dim if gate == "channel" else self.H
-            self.f_proj = low_rank(hidden_size, self.V, gate_dim) if gate == "channel" else Linear(
-                hidden_size, gate_dim, bias=False)
-            A = torch.empty(self.H).uniform_(1, 16)
-            dt = torch.exp(torch.rand(gate_dim) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-            if alpha_param == "kda":
-                self.A_log = nn.Parameter(torch.log(A))
-                self.dt_bias = nn.Parameter(inv_softplus(dt))
-                self.A_log._no_weight_decay = True
-                self.dt_bias._no_weight_decay = True
-            else:
-                per = gate_dim // self.H
-                alpha0 = torch.exp(-A.repeat_interleave(per) * dt).clamp(1e-4, 1 - 1e-4)
-                self.gate_bias = nn.Parameter(torch.logit(alpha0))
-                self.gate_bias._no_weight_decay = True
-        self.g_proj = low_rank(hidden_size, self.V, value_dim, bias=True)
-        self.o_norm = GatedRMSNorm(self.V, eps=norm_eps, fused=fused)
-        self.o_proj = Linear(value_dim, hidden_size, bias=False)
+        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = q_conv1d, k_conv1d, v_conv1d
+        self.f_proj = f_proj
+        for name, param in retention.items():
+            self.register_parameter(name, param)
+        self.g_proj, self.o_norm, self.o_proj = g_proj, o_norm, o_proj
 
     def inputs(
         self, x: Tensor, extra: dict[str, nn.Module | None] | None = None,
@@ -427,7 +447,7 @@ class DeltaFrontEnd(nn.Module):
         layers = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
         if self.gate != "none":
             layers["f"] = input_stage(self.f_proj)
-        if hasattr(self, "g_proj"):
+        if self.g_proj is not None:
             layers["g"] = input_stage(self.g_proj)
         layers.update({n: input_stage(m) for n, m in (extra or {}).items() if m is not None})
         B, T = x.shape[:2]
@@ -487,7 +507,11 @@ class DeltaFrontEnd(nn.Module):
         return g.view(B, T, self.H, -1).squeeze(-1) if self.gate == "head" else g.view(B, T, self.H, self.K)
 
     def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
-        """Gated RMSNorm per head, then the output projection. ``o: [B, T, H, V]`` -> ``[B, T, d_model]``."""
+        """RMSNorm per head, gated by ``g_proj``'s output when there is one, then the output projection.
+        ``o: [B, T, H, V]`` -> ``[B, T, d_model]``; ``p``: the projections of the layer input (:meth:`inputs`)."""
         B, T = o.shape[:2]
-        gate = finish(self.g_proj, p["g"]).view(B, T, self.H, self.V)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.H * self.V))
+        if self.g_proj is None:
+            y = self.o_norm(o)
+        else:
+            y = self.o_norm(o, finish(self.g_proj, p["g"]).view(B, T, self.H, self.V))
+        return self.o_proj(y.reshape(B, T, self.H * self.V))

@@ -1,8 +1,8 @@
 """The public functional API of KDN (docs/math.md §1–6): validation and dispatch.
 
 ``diagonal_kdn`` / ``isotropic_kdn`` validate their inputs, handle packed sequences (``cu_seqlens``) and dispatch
-to a backend: ``"torch"`` (the chunked PyTorch path, :mod:`kdn.ops.chunk`, any device) or ``"triton"`` (the CUDA
-kernels, :mod:`kdn.ops.triton.kdn`). ``*_gain`` run the gain scans alone, ``*_step`` one decoding token (the fused
+to a backend: ``"torch"`` (the chunked PyTorch path, :mod:`kdn.ops.torch_chunk`, any device) or ``"triton"`` (the CUDA
+kernels, :mod:`kdn.ops.chunk`). ``*_gain`` run the gain scans alone, ``*_step`` one decoding token (the fused
 Triton step, :mod:`kdn.ops.fused_recurrent`, on CUDA without autograd; else :mod:`kdn.ops.naive`), and
 ``exact_kalman_memory`` the dense-covariance reference. Computation is in FP32 (float64 when given float64);
 outputs come back in ``v``'s dtype, states in the compute dtype. Every entry point takes the tensors
@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdn.ops import chunk as _chunk
-from kdn.ops import gain as _gain
 from kdn.ops import naive as _naive
+from kdn.ops import torch_chunk as _chunk
+from kdn.ops import torch_gain as _gain
 from kdn.ops.gate import kda_gate
 from kdn.ops.packing import repack, unpack
+from kdn.ops.utils import State
 from kdn.ops.validate import check_cu_seqlens, check_memory, check_precision, check_shape, check_values
 
-State = tuple[Tensor, Tensor]
 BACKENDS = ("torch", "triton")
 
 
@@ -108,7 +108,7 @@ def _resolve_backend(backend: str | None, device: torch.device, dtype: torch.dty
 
 def _triton_available() -> bool:
     try:
-        from kdn.ops.triton import kdn  # noqa: F401
+        from kdn.ops import chunk  # noqa: F401
     except ImportError:
         return False
     return True
@@ -171,7 +171,7 @@ def _run(
     if omega_softplus and not fused_softplus:
         omega = F.softplus(omega.to(dt))
     if backend == "triton":  # kernels take bf16 operands as they come and keep FP32 gates and states
-        from kdn.ops.triton import kdn as _triton
+        from kdn.ops import chunk as _triton
 
         if isotropic:
             run = partial(_triton.chunk_isotropic_kdn, recompute_states=recompute_states, precision=precision,

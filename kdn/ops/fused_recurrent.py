@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-State = tuple[Tensor, Tensor]
+from kdn.ops.utils import State
+
 
 @triton.jit
 def _fused_recurrent_kernel(

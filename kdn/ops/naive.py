@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-State = tuple[Tensor, Tensor]
+from kdn.ops.utils import State
 
 
 def diagonal_gain_step(

@@ -6,6 +6,9 @@ import functools
 import torch
 from torch import Tensor
 
+# A KDN state: the memory ``S [B,H,K,V]`` and the uncertainty (``p [B,H,K]`` diagonal, ``b [B,H]`` isotropic)
+State = tuple[Tensor, Tensor]
+
 
 def upcast(x: Tensor) -> Tensor:
     """``x`` in at least FP32 (float64 stays float64)."""

@@ -3,18 +3,18 @@
 Each mixer has exactly the parameters of fla's layer of the same name (``fla.layers.DeltaNet``,
 ``GatedDeltaNet``, ``KimiDeltaAttention``, ``GatedDeltaNet2``) at ``expand_v = 1`` and with the
 model's ``num_heads x head_dim`` (so every delta mixer carries the same ``H x K x V`` memory as KDN).
-Projections, short convolutions, the retention gate and the output block come from
-:class:`kdn.modules.DeltaFrontEnd`; only the output block follows each fla layer (``output_gate``):
+``_DeltaRule.__init__`` declares the projections, short convolutions, retention gate and output block, which
+:class:`kdn.modules.DeltaFrontEnd` runs; only the output block follows each fla layer (``output_gate``):
 ``"sigmoid"`` (low-rank, with bias: KDA, GDN-2, KDN), ``"swish"`` (full rank: Gated DeltaNet),
 ``"swish_low_rank"`` (the low-rank gate with bias, swish-activated: the GDN-2 layer of the paper's authors' release,
 whose other parameters are fla's ``GatedDeltaNet2``'s) or ``"none"`` (plain RMSNorm: DeltaNet).
 
 Every rule is an instance of ``S_t = (I - kappa_t r_t^T) D_t S_{t-1} + kappa_t u_t^T`` (read key
-``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.chunk.memory_chunk` scans on any device
+``r``, write vector ``kappa``, value ``u``), which :func:`kdn.ops.torch_chunk.memory_chunk` scans on any device
 (``backend="torch"``). On CUDA the default is fla's chunk kernels (``backend="fla"``; KDA through ours, :class:`KDA`).
 Padding tokens are identity steps (zero key, no decay); ``cu_seqlens`` packs documents. ``fused``: the fused CUDA
 front end (:class:`kdn.modules.DeltaFrontEnd`); ``recompute_states``: KDA's memory backward recomputes its states
-(:func:`kdn.ops.triton.kdn.chunk_kda`).
+(:func:`kdn.ops.chunk.chunk_kda`).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from kdn.layers import RecurrentCache
-from kdn.modules import DeltaFrontEnd, GatedRMSNorm, Linear, upcast
-from kdn.ops.chunk import MEMORY_CHUNK, memory_chunk
+from kdn.modules import DeltaFrontEnd, GatedRMSNorm, Linear, ShortConv, kda_retention, low_rank, upcast
+from kdn.ops.torch_chunk import MEMORY_CHUNK, memory_chunk
 from models.layers.common import (
     RMSNorm,
     check_cu_seqlens,
@@ -41,40 +41,6 @@ if TYPE_CHECKING:
 
 OUTPUT_GATES = ("sigmoid", "swish", "swish_low_rank", "none")
 BACKENDS = ("torch", "fla")
-
-
-class FrontEnd(DeltaFrontEnd):
-    """:class:`kdn.modules.DeltaFrontEnd` whose output block is selectable (see the module docstring)."""
-
-    def __init__(
-        self, hidden_size: int, num_heads: int, head_dim: int, *, gate: str, output_gate: str,
-        conv_size: int, norm_eps: float, fused: bool = True,
-    ) -> None:
-        if output_gate not in OUTPUT_GATES:
-            raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
-        super().__init__(hidden_size, num_heads, head_dim, conv_size=conv_size, norm_eps=norm_eps, gate=gate,
-                         fused=fused)
-        self.output_gate = output_gate
-        if output_gate == "swish":
-            self.g_proj = Linear(hidden_size, self.H * self.V, bias=False)
-            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
-        elif output_gate == "swish_low_rank":
-            self.o_norm = GatedRMSNorm(self.V, norm_eps, activation="swish", fused=fused)
-        elif output_gate == "none":
-            del self.g_proj
-            self.o_norm = RMSNorm(self.V, norm_eps, fused=fused)
-
-    def output(self, o: Tensor, p: dict[str, Tensor]) -> Tensor:
-        """``o [B, T, H, V]`` -> ``[B, T, d_model]`` through the per-head norm (gated or not) and ``o_proj``; ``p``:
-        the projections of the layer input (``DeltaFrontEnd.inputs``)."""
-        if self.output_gate in ("sigmoid", "swish_low_rank"):
-            return super().output(o, p)
-        B, T = o.shape[:2]
-        if self.output_gate == "swish":
-            y = self.o_norm(o, p["g"].view(B, T, self.H, self.V))
-        else:
-            y = self.o_norm(o)
-        return self.o_proj(y.reshape(B, T, self.H * self.V))
 
 
 class _DeltaRule(nn.Module, abc.ABC):
@@ -95,9 +61,32 @@ class _DeltaRule(nn.Module, abc.ABC):
             raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.layer_idx, self.backend, self.recompute_states = layer_idx, backend, recompute_states
-        self.front = FrontEnd(hidden_size, num_heads, head_dim, gate=self.gate,
-                              output_gate=output_gate or self.output_gate_default,
-                              conv_size=conv_size, norm_eps=norm_eps, fused=fused)
+        output_gate = output_gate or self.output_gate_default
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
+        H, K, V, d = num_heads, head_dim, head_dim, hidden_size  # expand_v = 1
+        gated_out = output_gate != "none"
+        self.front = DeltaFrontEnd(  # registered in this order: the state dict's keys "front.<name>"
+            H, K, V, gate=self.gate, fused=fused,
+            q_proj=Linear(d, H * K, bias=False),  # [H*K, d]
+            k_proj=Linear(d, H * K, bias=False),  # [H*K, d]
+            v_proj=Linear(d, H * V, bias=False),  # [H*V, d]
+            q_conv1d=ShortConv(H * K, conv_size, fused=fused),  # [H*K, 1, W]
+            k_conv1d=ShortConv(H * K, conv_size, fused=fused),  # [H*K, 1, W]
+            v_conv1d=ShortConv(H * V, conv_size, fused=fused),  # [H*V, 1, W]
+            # retention: per channel [V, d], [H*K, V] (KDA, GDN-2); per head [H, d] (fla's a_proj: Gated DeltaNet)
+            f_proj=(low_rank(d, V, H * K) if self.gate == "channel"
+                    else Linear(d, H, bias=False) if self.gate == "head" else None),
+            # KDA's parametrisation: A_log [H], dt_bias [H*K] per channel or [H] per head; none without decay
+            retention=kda_retention(H, H * K if self.gate == "channel" else H) if self.gate != "none" else {},
+            # output gate: low rank [V, d], [H*V, V] + bias [H*V] (sigmoid, swish_low_rank); full rank [H*V, d]
+            # (swish); none: a plain RMSNorm
+            g_proj=(Linear(d, H * V, bias=False) if output_gate == "swish"
+                    else low_rank(d, V, H * V, bias=True) if gated_out else None),
+            o_norm=GatedRMSNorm(V, norm_eps, activation="sigmoid" if output_gate == "sigmoid" else "swish",
+                                fused=fused) if gated_out else RMSNorm(V, norm_eps, fused=fused),  # [V]
+            o_proj=Linear(H * V, d, bias=False),  # [d, H*V]
+        )
 
     # -- per-rule pieces ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -291,7 +280,7 @@ class GatedDeltaNet(_ScalarBetaRule):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         if self.runs_as_kda():  # forward made the check (checks_safe_gate)
-            from kdn.ops.triton import chunk_kda
+            from kdn.ops.chunk import chunk_kda
 
             gk = g.float()[..., None].expand_as(k).contiguous()
             return chunk_kda(q, k, v, gk, terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5, initial_state=S0,
@@ -304,7 +293,7 @@ class GatedDeltaNet(_ScalarBetaRule):
 
 class KDA(_ScalarBetaRule):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``): per-channel decay, scalar ``beta`` per head. On CUDA the rule
-    runs through :func:`kdn.ops.triton.chunk_kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it:
+    runs through :func:`kdn.ops.chunk.chunk_kda` (the asymmetric memory with ``kappa = k``, as Isotropic KDN runs it:
     fla's chunk-64 kernels with our faster WY backward), the values of fla's ``chunk_kda``."""
 
     gate = "channel"
@@ -315,7 +304,7 @@ class KDA(_ScalarBetaRule):
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, terms: dict[str, Tensor], S0: Tensor | None,
         output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate | None,
     ) -> tuple[Tensor, Tensor | None]:
-        from kdn.ops.triton import chunk_kda
+        from kdn.ops.chunk import chunk_kda
 
         return chunk_kda(q, k, v, g.float(), terms["beta"].to(q.dtype), scale=self.head_dim ** -0.5,
                          initial_state=S0, output_final_state=output_final_state, cu_seqlens=cu_seqlens, check=check,

@@ -80,7 +80,7 @@ def kda_gate_fwd(
     (``B = 1``). ``g = -exp(A_log) softplus(f + dt_bias)`` ``[B,T,H,K]``; ``gc`` its inclusive cumulative sums within
     each sequence's chunks of :data:`kdn.ops.validate.ASYM_CHUNK` tokens, in log2 units (what fla's
     ``chunk_local_cumsum(g, scale=1/ln 2)`` gives); ``steep = -min_K g`` ``[B,T,H]``. No gradient: the gain's
-    backward takes the gate's (:class:`kdn.ops.triton.kdn._DiagonalKDN`)."""
+    backward takes the gate's (:class:`kdn.ops.chunk._DiagonalKDN`)."""
     B, T, H, K = f.shape
     if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"A_log must be [{H}] and dt_bias [{H * K}] for f of shape {tuple(f.shape)}, got "

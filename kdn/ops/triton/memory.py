@@ -8,7 +8,7 @@ elsewhere), with the final chunk sums of ``dg`` left to the caller on request (:
 private launchers and kernels are reached through :mod:`kdn.ops.fla_internals`, which also holds the launches of
 its intra-chunk kernels on our grids. Both KDNs
 run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
-so does the KDA baseline (:func:`kdn.ops.triton.kdn.chunk_kda`).
+so does the KDA baseline (:func:`kdn.ops.chunk.chunk_kda`).
 
 ``recompute_states``: the backward needs the forward's WY terms (``w``, ``q exp2(gc)``, ``kg``) and chunk states
 (``h``, ``v_new``). ``False`` (the default): the forward keeps them, five more ``[B,T,H,K]``-sized bf16 tensors per
