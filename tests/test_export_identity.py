@@ -14,7 +14,7 @@ import torch
 from eval_fixtures import export_toy_run
 from test_evaluate_export import logits_rel_err
 from test_evaluate_integrity import _flip, write_checkpoint
-from toy_run import TOY, run_train, shard_overrides
+from toy_run import TOY, run_train
 
 import evaluate
 import train
@@ -23,11 +23,6 @@ from eval.model_dir import model_metadata, resolve
 from trainer.checkpoint import EXPORT_MANIFEST, CheckpointError, write_manifest
 
 TOKENS_PER_STEP = 256  # TOY: trainer.global_batch_tokens
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return shard_overrides(tmp_path_factory.mktemp("shards") / "embedded")
 
 
 def _step_model(run: Path, step: int) -> torch.nn.Module:
