@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU checks and benchmarks in time-limited stages on any CUDA machine; one log and the results under $OUT. The log
-# starts with the provenance that docs/results.md asks for: date, GPU, driver, torch, CUDA, Triton, fla, commit.
+# starts with the provenance that docs/results/README.md asks for: date, GPU, driver, torch, CUDA, Triton, fla, commit.
 #   bash bench/gpu.sh kernels throughput profile train100m throughput750m
 # Each stage runs under its own time limit (<STAGE>_S or STAGE_S seconds, default 240), so that a slow stage
 # leaves time for the ones after it; no stage runs past GPU_S seconds from the start (default 560), so that the
