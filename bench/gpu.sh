@@ -41,10 +41,10 @@
 #                  --out /tmp/warm.json")
 # Set-up (bench/gpu_env.sh): wheels in .whl/ (or the folder WHEELS names) are installed first, for an image
 # without fla (`pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`); the Triton
-# autotune results in bench/triton_cache/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
+# autotune results in bench/kernel_cache/triton/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
 # autotuning (several minutes per fla op otherwise) on the stack they were made on. The run's autotune results
-# come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/, and TileLang's compiled kernels (when any) as
-# $OUT/tilelang_cache.tgz, for bench/tilelang_cache/ (neither when NO_AUTOTUNE_TGZ is set).
+# come back as $OUT/autotune.tgz, to be saved in bench/kernel_cache/triton/, and TileLang's compiled kernels (when any) as
+# $OUT/tilelang_cache.tgz, for bench/kernel_cache/tilelang/ (neither when NO_AUTOTUNE_TGZ is set).
 # bench/gpu_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
 # first (GPU_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
