@@ -27,9 +27,9 @@
 #                  --block-rows 32 64"); a later stage of the same module writes MODULE_2.json, MODULE_3.json, ...
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
 #   mqar[=ARGS]    `python -m eval.mqar out=$MQAR_OUT ARGS` (MQAR_OUT default runs/mqar/full): the MQAR grid,
-#                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files
-#                  (e.g. bench/results/mqar_h200_grid/jobs) copied in first where MQAR_OUT has none of that name;
-#                  every job file comes back as $OUT/mqar_jobs.tgz
+#                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files or
+#                  a grid's job summary (e.g. bench/results/mqar_h200_grid/jobs.json), copied in first where
+#                  MQAR_OUT has no job of that name; every job file comes back as $OUT/mqar_jobs.tgz
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
 #   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
 #                  `parity2=fsdp` (or ddp) runs one of them
@@ -116,7 +116,9 @@ for stage in "$@"; do
       args=$(stage_arg "$stage" mqar)
       mq=${MQAR_OUT:-runs/mqar/full}
       mkdir -p "$mq/jobs"
-      if [ -n "${MQAR_JOBS:-}" ]; then
+      if [ -f "${MQAR_JOBS:-}" ]; then
+        python3 -m eval.mqar.jobs unpack "$MQAR_JOBS" "$mq/jobs" | tee -a "$LOG"
+      elif [ -n "${MQAR_JOBS:-}" ]; then
         for f in "$MQAR_JOBS"/*.json; do [ -e "$f" ] && [ ! -e "$mq/jobs/${f##*/}" ] && cp "$f" "$mq/jobs/"; done
       fi
       # shellcheck disable=SC2086
