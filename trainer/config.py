@@ -344,7 +344,8 @@ def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
     _choice(c.model.size, "model.size", list(SIZES))
     overrides = dict(c.model.overrides)
     overrides.setdefault("init", c.model.init)
-    overrides.setdefault("recompute_states", c.trainer.recompute_states)  # memory against speed (docs/results/README.md)
+    # memory against speed (docs/results/training.md)
+    overrides.setdefault("recompute_states", c.trainer.recompute_states)
     if c.backbone.window is not None:
         overrides["window"] = c.backbone.window
     try:
