@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU checks and benchmarks in time-limited stages on any CUDA machine; one log and the results under $OUT. The log
-# starts with the provenance that docs/results.md asks for: date, GPU, driver, torch, CUDA, Triton, fla, commit.
+# starts with the provenance that docs/results/README.md asks for: date, GPU, driver, torch, CUDA, Triton, fla, commit.
 #   bash bench/gpu.sh kernels throughput profile train100m throughput750m
 # Each stage runs under its own time limit (<STAGE>_S or STAGE_S seconds, default 240), so that a slow stage
 # leaves time for the ones after it; no stage runs past GPU_S seconds from the start (default 560), so that the
@@ -27,9 +27,9 @@
 #                  --block-rows 32 64"); a later stage of the same module writes MODULE_2.json, MODULE_3.json, ...
 #   env=NAME=VALUE sets NAME for the stages after it (e.g. "env=KDN_TESTS=tests/test_mixers_gpu.py")
 #   mqar[=ARGS]    `python -m eval.mqar out=$MQAR_OUT ARGS` (MQAR_OUT default runs/mqar/full): the MQAR grid,
-#                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files
-#                  (e.g. bench/results/mqar_h200_grid/jobs) copied in first where MQAR_OUT has none of that name;
-#                  every job file comes back as $OUT/mqar_jobs.tgz
+#                  resuming from the job files and checkpoints there; MQAR_JOBS names a folder of job files or
+#                  a grid's job summary (e.g. bench/results/mqar_h200_grid/jobs.json), copied in first where
+#                  MQAR_OUT has no job of that name; every job file comes back as $OUT/mqar_jobs.tgz
 #   parity1        slurm/gpu_checks.sh parity1: the one-GPU reference run of the parity check
 #   parity2        slurm/gpu_checks.sh parity2: the two-GPU runs (DDP, FSDP) and their comparisons -> $OUT;
 #                  `parity2=fsdp` (or ddp) runs one of them
@@ -41,10 +41,10 @@
 #                  --out /tmp/warm.json")
 # Set-up (bench/gpu_env.sh): wheels in .whl/ (or the folder WHEELS names) are installed first, for an image
 # without fla (`pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 -d .whl`); the Triton
-# autotune results in bench/triton_cache/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
+# autotune results in bench/kernel_cache/triton/*.tgz are restored into TRITON_CACHE_DIR, which skips most first-call
 # autotuning (several minutes per fla op otherwise) on the stack they were made on. The run's autotune results
-# come back as $OUT/autotune.tgz, to be saved in bench/triton_cache/, and TileLang's compiled kernels (when any) as
-# $OUT/tilelang_cache.tgz, for bench/tilelang_cache/ (neither when NO_AUTOTUNE_TGZ is set).
+# come back as $OUT/autotune.tgz, to be saved in bench/kernel_cache/triton/, and TileLang's compiled kernels (when any) as
+# $OUT/tilelang_cache.tgz, for bench/kernel_cache/tilelang/ (neither when NO_AUTOTUNE_TGZ is set).
 # bench/gpu_pair.sh runs two of these at once, one per GPU; it installs the wheels and restores the cache
 # first (GPU_PREPARED=1) and writes each log to LOG.
 set -uo pipefail
@@ -116,7 +116,9 @@ for stage in "$@"; do
       args=$(stage_arg "$stage" mqar)
       mq=${MQAR_OUT:-runs/mqar/full}
       mkdir -p "$mq/jobs"
-      if [ -n "${MQAR_JOBS:-}" ]; then
+      if [ -f "${MQAR_JOBS:-}" ]; then
+        python3 -m eval.mqar.jobs unpack "$MQAR_JOBS" "$mq/jobs" | tee -a "$LOG"
+      elif [ -n "${MQAR_JOBS:-}" ]; then
         for f in "$MQAR_JOBS"/*.json; do [ -e "$f" ] && [ ! -e "$mq/jobs/${f##*/}" ] && cp "$f" "$mq/jobs/"; done
       fi
       # shellcheck disable=SC2086

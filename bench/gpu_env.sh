@@ -1,11 +1,11 @@
 # Shared by bench/gpu.sh and bench/gpu_pair.sh (sourced, from the repository root).
 # gpu_prepare: install the carried wheels (WHEELS, default .whl/) into /tmp/site, unpack the carried site
 #   archives (SITES, default .site/*.tar.xz: installed packages too large as wheels, see models/README.md) into
-#   it, and put it on PYTHONPATH; restore bench/triton_cache/*.tgz into TRITON_CACHE_DIR and
-#   bench/tilelang_cache/*.tgz into TILELANG_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set (a parent
+#   it, and put it on PYTHONPATH; restore bench/kernel_cache/triton/*.tgz into TRITON_CACHE_DIR and
+#   bench/kernel_cache/tilelang/*.tgz into TILELANG_CACHE_DIR. With GPU_PREPARED set, only PYTHONPATH is set (a parent
 #   script prepared this machine already).
-# pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/triton_cache/.
-# pack_tilelang FILE: TileLang's compiled kernels (TILELANG_CACHE_DIR) as one tarball, for bench/tilelang_cache/;
+# pack_autotune FILE: every *.autotune.json under TRITON_CACHE_DIR as one tarball, for bench/kernel_cache/triton/.
+# pack_tilelang FILE: TileLang's compiled kernels (TILELANG_CACHE_DIR) as one tarball, for bench/kernel_cache/tilelang/;
 #   nothing when it holds none. Without them a fresh machine compiles Mamba-3 MIMO's three kernels first (26-86 s
 #   each on an H200), minutes before a MIMO model trains.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton}
@@ -35,12 +35,12 @@ gpu_prepare() {
   fi
   [ -n "${GPU_PREPARED:-}" ] && return 0
   mkdir -p "$TRITON_CACHE_DIR"
-  for t in bench/triton_cache/*.tgz; do
+  for t in bench/kernel_cache/triton/*.tgz; do
     [ -e "$t" ] || continue
     tar xzf "$t" --strip-components=1 -C "$TRITON_CACHE_DIR" || return 1
   done
   mkdir -p "$TILELANG_CACHE_DIR"
-  for t in bench/tilelang_cache/*.tgz; do [ -e "$t" ] && tar xzf "$t" -C "$TILELANG_CACHE_DIR"; done
+  for t in bench/kernel_cache/tilelang/*.tgz; do [ -e "$t" ] && tar xzf "$t" -C "$TILELANG_CACHE_DIR"; done
   return 0
 }
 

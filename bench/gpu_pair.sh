@@ -7,7 +7,7 @@
 # else 300), the last group by PAIR_S (default 560) from the start. The wheels and the autotune cache are set up
 # once, and the GPUs share one TRITON_CACHE_DIR (Triton writes its cache atomically).
 # Back under $OUT: gpu0.log, gpu1.log, both.log; results.tgz (each group's $OUT, as gpu0/ gpu1/ both/) and
-# autotune.tgz (to be merged into bench/triton_cache/). Wheels: as in bench/gpu.sh.
+# autotune.tgz (to be merged into bench/kernel_cache/triton/). Wheels: as in bench/gpu.sh.
 set -uo pipefail
 START=$SECONDS
 cd "$(dirname "$0")/.."

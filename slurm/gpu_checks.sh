@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU measurements of training throughput and parity, for docs/results.md. Each part stays under 10 minutes on H200s.
+# The GPU measurements of training throughput and parity, for docs/results/README.md. Each part stays under 10 minutes on H200s.
 #   slurm/gpu_checks.sh 100m        # one GPU: ~100M KDN, 500 steps, falling loss
 #   slurm/gpu_checks.sh throughput [MIXERS]  # one GPU: 750M kdn_diag,kdn_iso,kda (or MIXERS) side by side
 #   slurm/gpu_checks.sh throughput_paper [MIXERS]  # the same at the paper's 0.5M-token batch (default kdn_diag,kda)

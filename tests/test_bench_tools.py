@@ -370,17 +370,20 @@ def _gpu_sh_env(tmp_path: Path, out: Path) -> dict[str, str]:
             "STAGE_S": f"{timeout_s(240):.0f}"}
 
 
-def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path) -> None:
-    """`bench/gpu.sh mqar=ARGS` seeds MQAR_OUT with the job files MQAR_JOBS names, resumes the grid there (here:
-    nothing left to train) and returns every job file."""
+@pytest.mark.parametrize("carried", ["folder", "summary"])
+def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path, carried: str) -> None:
+    """`bench/gpu.sh mqar=ARGS` seeds MQAR_OUT with the jobs MQAR_JOBS names (a folder of job files, or a grid's job
+    summary), resumes the grid there (here: nothing left to train) and returns every job file."""
     from eval.mqar import parse_overrides, run_grid
+    from eval.mqar.jobs import pack
 
     args = ["mixers=attn", "widths=64", "settings=32x4", "test_settings=", "lrs=3e-3", "train_examples=64",
             "valid_examples=32", "test_examples=32", "batch_tokens=1024", "vocab_size=64", "preset=cpu"]
     cfg, _ = parse_overrides([*args, f"out={tmp_path / 'done'}"])
     assert len(run_grid(cfg, log=lambda _: None)[0]) == 1
     root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
-    env = _gpu_sh_env(tmp_path, out) | {"MQAR_OUT": str(tmp_path / "mq"), "MQAR_JOBS": str(tmp_path / "done" / "jobs")}
+    carry = tmp_path / "done" / "jobs" if carried == "folder" else pack(tmp_path / "done")
+    env = _gpu_sh_env(tmp_path, out) | {"MQAR_OUT": str(tmp_path / "mq"), "MQAR_JOBS": str(carry)}
     proc = subprocess.run(["bash", "bench/gpu.sh", "mqar=" + " ".join(args)], cwd=root, capture_output=True,
                           text=True, timeout=timeout_s(600), env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -22,9 +22,10 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 BT = 64
 NAMES = ("dq", "dk", "dkp", "db", "dg")
-# Measured on an H100 (docs/results.md, "The intra-chunk backward"), at most: dq, dk, dkp 1.72e-3 for both kernels
-# (their bf16 rounding; ours within 1.03x fla's); db 7.7e-4 and dg 2.7e-4 here against fla's 2.3e-4 and 7.6e-5: fla's
-# diagonal blocks run at bf16x3 where ours run at TF32, so db and dg are held to a tolerance, not to fla's error.
+# Measured on an H100 (docs/results/accuracy.md, "The intra-chunk backward in one program per chunk"), at most:
+# dq, dk, dkp 1.72e-3 for both kernels (their bf16 rounding; ours within 1.03x fla's); db 7.7e-4 and dg 2.7e-4 here
+# against fla's 2.3e-4 and 7.6e-5: fla's diagonal blocks run at bf16x3 where ours run at TF32, so db and dg are held
+# to a tolerance, not to fla's error.
 TOL = {"dq": 4e-3, "dk": 4e-3, "dkp": 4e-3, "db": 2e-3, "dg": 6e-4}
 RATIO = {"dq": 1.1, "dk": 1.1, "dkp": 1.1}
 

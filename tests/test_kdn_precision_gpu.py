@@ -28,7 +28,7 @@ import kdn  # noqa: E402
 pytestmark = pytest.mark.gpu
 # o and the final state: FP32's accuracy. Gradients: the chunk-64 kernels' cumulative gate products in FP32 cost
 # more; on an H200 (2026-12-03, commit ad00b53) the worst were dg 1.6-2.6e-5 and, on packed sequences, dmu 3.7e-5
-# (docs/results.md, "GPU test suite"): the bound is about 2.7x the worst, and the route must still beat the
+# (docs/results/accuracy.md, "GPU test suite"): the bound is about 2.7x the worst, and the route must still beat the
 # default one tenfold.
 FP32_TOL = {"o": 1e-5, "S_T": 1e-5, "u_T": 1e-5}
 FP32_GRAD_TOL = 1e-4

@@ -345,6 +345,39 @@ def test_the_queue_takes_the_cells_out_lacks_from_other_folders(tmp_path, monkey
     assert time_folders(parse_overrides(["preset=cpu", "times="])[0]) == ()
 
 
+def test_a_job_summary_stands_for_its_job_files(tmp_path) -> None:
+    """``eval.mqar.jobs.pack`` puts a grid's job files in one summary that the queue's times read as they read the
+    files, and ``unpack`` writes the files back, keeping any job file already there."""
+    from eval.mqar.jobs import load_summary, pack, unpack
+
+    cfg, _ = parse_overrides(["preset=cpu", "mixers=kda,attn", "widths=64", f"out={tmp_path / 'out'}",
+                              f"times={tmp_path / 'grid'}"])
+    budget = {"budget": json.loads(json.dumps(asdict(cfg.budget())))}
+    jobs = {f"{m}_d64_lr0.001_s{s}": {"mixer": m, "width": 64, "wall_s": wall + s, "identity": budget,
+                                      "device": "cpu"} for m, wall in (("kda", 20.0), ("attn", 40.0)) for s in (0, 1)}
+    (tmp_path / "grid" / "jobs").mkdir(parents=True)
+    for name, job in jobs.items():
+        (tmp_path / "grid" / "jobs" / f"{name}.json").write_text(json.dumps(job))
+    from_files = measured_costs(tmp_path / "out", cfg.budget(), "cpu", time_folders(cfg))
+    assert from_files == {("kda", 64): 20.5, ("attn", 64): 40.5}
+    summary = pack(tmp_path / "grid")
+    for path in (tmp_path / "grid" / "jobs").iterdir():
+        path.unlink()
+    (tmp_path / "grid" / "jobs").rmdir()
+    assert load_summary(summary) == jobs
+    assert time_folders(cfg) == (tmp_path / "grid",)
+    assert measured_costs(tmp_path / "out", cfg.budget(), "cpu", time_folders(cfg)) == from_files
+    kept = tmp_path / "again" / "kda_d64_lr0.001_s0.json"
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({**jobs["kda_d64_lr0.001_s0"], "wall_s": 1.0}))
+    assert unpack(summary, tmp_path / "again") == 3
+    assert {p.stem: json.loads(p.read_text()) for p in (tmp_path / "again").iterdir()} == {
+        **jobs, "kda_d64_lr0.001_s0": {**jobs["kda_d64_lr0.001_s0"], "wall_s": 1.0}}
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "mqar", "rows": []}))
+    with pytest.raises(ValueError, match="not an MQAR job summary"):
+        load_summary(tmp_path / "other.json")
+
+
 def test_grid_runs_stores_and_resumes(tmp_path, one_thread) -> None:
     argv = ["mixers=kdn_diag/mu=1,attn", "widths=64", "settings=32x4,48x4", "lrs=3e-3", "train_examples=64",
             "valid_examples=32", "test_examples=32", "batch_tokens=1024", "vocab_size=64", f"out={tmp_path}",

@@ -300,7 +300,8 @@ def build_model_config(c: TrainConfig, vocab_size: int) -> Any:
     overrides = check_model_overrides(c.model.overrides)
     name, options = mixer_choice(c.mixer)
     overrides.setdefault("init", c.model.init)
-    overrides.setdefault("recompute_states", c.trainer.recompute_states)  # memory against speed (docs/results.md)
+    # memory against speed (docs/results/training.md)
+    overrides.setdefault("recompute_states", c.trainer.recompute_states)
     if c.backbone.window is not None:
         overrides["window"] = c.backbone.window
     try:

@@ -1,4 +1,4 @@
-"""Summaries of finished runs from their ``metrics.jsonl`` (for docs/results.md).
+"""Summaries of finished runs from their ``metrics.jsonl`` (for docs/results/README.md).
 
     python -m trainer.summarize runs/a runs/b            # one row per run: loss, tokens/s/GPU, MFU, memory
     python -m trainer.summarize --compare runs/a runs/b  # loss-curve agreement of two runs (e.g. 1 vs 2 GPUs)

@@ -19,7 +19,7 @@ ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", 
 ZOOLOGY_SETTINGS = ("64x4", "128x8", "256x16", "512x64")
 LONG_SETTINGS = ("1024x128", "2048x256")
 H200_TIMES = "bench/results/mqar_h200_grid"
-"""The job files of the default grid trained on one H200, whose wall times order a new grid's queue there."""
+"""The default grid's jobs trained on one H200 (its job summary), whose wall times order a new queue there."""
 
 
 def scored_names(settings: list[str], test_settings: list[str]) -> list[str]:

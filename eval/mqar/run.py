@@ -35,6 +35,7 @@ from common import write_json_atomic
 from common.device import device_name, resolve_device
 from eval.mqar.config import MQARConfig
 from eval.mqar.data import MQARSetting
+from eval.mqar.jobs import has_jobs, job_records
 from eval.mqar.train import (
     DEFAULT_INIT,
     DEFAULT_PRECISION,
@@ -188,16 +189,13 @@ def groups(jobs: list[Job], size: int) -> list[list[Job]]:
 def measured_costs(out: Path, budget: Budget, device: str, more: tuple[Path, ...] = ()) -> dict[tuple[str, int], float]:
     """Mean wall time (s) per ``(mixer, width)`` of the stored jobs that trained ``budget`` in one go on ``device``:
     those under ``out/jobs`` (a job file without a device counts as this one's), and for a cell that ``out`` lacks,
-    those under ``<m>/jobs`` of the folders ``more`` (their device must be named). Any rate or seed of a cell trains
-    the same tokens through the same model, so another seed's time predicts this one's."""
+    those of the folders ``more``, as job files or a summary (:func:`eval.mqar.jobs.job_records`; their device must
+    be named). Any rate or seed of a cell trains the same tokens through the same model, so another seed's time
+    predicts this one's."""
     want, costs = json.loads(json.dumps(asdict(budget))), {}
     for folder, default in ((out, device), *((m, None) for m in more)):
         walls: dict[tuple[str, int], list[float]] = {}
-        for path in sorted((folder / "jobs").glob("*.json")):
-            try:
-                job = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+        for job in job_records(folder).values():
             if (isinstance(job, dict) and job.get("wall_s") and not job.get("resumed_from")
                     and job.get("device", default) == device and (job.get("identity") or {}).get("budget") == want):
                 walls.setdefault((job["mixer"], job["width"]), []).append(job["wall_s"])
@@ -206,12 +204,12 @@ def measured_costs(out: Path, budget: Budget, device: str, more: tuple[Path, ...
 
 
 def time_folders(cfg: MQARConfig) -> tuple[Path, ...]:
-    """``cfg.times`` as folders that exist: a relative path from the current directory, else from the repository
-    root (where the shipped H200 times are)."""
+    """``cfg.times`` as folders that hold jobs (job files or a summary): a relative path from the current directory,
+    else from the repository root (where the shipped H200 times are)."""
     found = []
     for name in cfg.times:
         for path in (Path(name), ROOT / name):
-            if (path / "jobs").is_dir():
+            if has_jobs(path):
                 found.append(path)
                 break
     return tuple(found)

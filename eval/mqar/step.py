@@ -3,7 +3,7 @@
 A two-layer model at width 64-256 spends less time in its kernels than the host spends launching them, so eager
 training leaves the GPU idle. On CUDA, :class:`TrainStep` captures the whole step, forward, backward, clipping and
 the fused AdamW update, once per batch shape and replays it: one launch a step (on an H200 at width 256, 2.3-3.9
-times faster than the eager step; docs/results.md, "MQAR on the GPU"). What makes one graph serve every step:
+times faster than the eager step; docs/results/mqar.md, "MQAR on the GPU"). What makes one graph serve every step:
 
 - the gradients are zeroed in place, never set to ``None``, so they keep their addresses;
 - each parameter group's learning rate is a device tensor, which the scheduler fills in place;

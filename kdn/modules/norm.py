@@ -4,7 +4,7 @@ pass each way (:func:`add_rms_norm`, the CUDA path of :meth:`kdn.modules.RMSNorm
 Forward: a program per row. Backward: ``ROWS`` consecutive rows per program, one row at a time, the weight's
 gradient summed in registers and the programs' partial sums added in torch. fla's row kernel (``rms_norm(...,
 prenorm=True)``) gives each SM one program that walks 1/132 of the rows; with a few programs per SM the loads of
-neighbouring programs overlap (bench/norm_throughput.py, docs/results.md). The stream's gradient is stored in
+neighbouring programs overlap (bench/norm_throughput.py, docs/results/README.md). The stream's gradient is stored in
 FP32; fla's kernel rounds it to the sublayer output's dtype (bf16) first.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-ROWS = 32  # default rows per backward program (16-64 measured alike on an H200, 128 slower: docs/results.md)
+ROWS = 32  # default rows per backward program (16-64 measured alike on an H200, 128 slower: docs/results/README.md)
 
 
 @triton.jit

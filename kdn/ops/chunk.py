@@ -1,7 +1,7 @@
 """KDN and KDA on CUDA: each KDN's gain and the asymmetric memory as one autograd node, and the entry points.
 
 - :func:`chunk_diagonal_kdn`: the fused Diagonal gain (:mod:`kdn.ops.triton.gain_diagonal`) with one of two memories,
-  chosen by ``memory``. ``"asym"`` (the default, the faster: docs/results.md): fla's asymmetric chunk-64 kernels
+  chosen by ``memory``. ``"asym"`` (the default, the faster: docs/results/README.md): fla's asymmetric chunk-64 kernels
   (:mod:`kdn.ops.triton.memory`), gain and memory one autograd node (:class:`_DiagonalKDN`). ``"dplr"``: fla's
   ``chunk_dplr_delta_rule(q, k=kappa, v, a=exp(g) k, b=-kappa, gk=g)`` at chunk 16 or 32.
 - :func:`chunk_isotropic_kdn`: the fused Isotropic gain (:mod:`kdn.ops.triton.gain_isotropic`) + KDA's rule with

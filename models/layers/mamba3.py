@@ -44,7 +44,8 @@ conflict), so other sizes run the PyTorch reference."""
 SISO_KERNEL_RULE = "head_dim <= state_size"
 """Where mamba-ssm's Triton SISO kernels are used: on an H200 their backward (``mamba3_siso_bwd_kernel_dqkv``)
 made an illegal memory access at ``head_dim`` 64 with ``state_size`` 32, and matched the reference at 16 with 32
-and at 64 with 64 (docs/results.md, "Mamba-3 kernels at the MQAR shapes"); wider heads run the PyTorch reference."""
+and at 64 with 64 (docs/results/mqar.md, "Mamba-3 kernels at the MQAR shapes"); wider heads run the PyTorch
+reference."""
 State = tuple[Tensor, Tensor, Tensor, Tensor]
 
 

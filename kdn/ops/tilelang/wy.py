@@ -30,7 +30,7 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: 
 @dataclass(frozen=True)
 class WYTiles:
     """Tile settings of the TileLang WY kernel. The defaults are those the GPU tests ran and the fastest of the
-    benchmark's sweep on Hopper (docs/results.md): whole value rows in one step, and every thread computing, its
+    benchmark's sweep on Hopper (docs/results/README.md): whole value rows in one step, and every thread computing, its
     loads through ``cp.async``; the producer warpgroup's TMA path left nothing in flight between a program's loads
     and its dots and took 1.1-1.5x the time.
 
