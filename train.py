@@ -61,8 +61,8 @@ from trainer.checkpoint import (  # noqa: E402
     export_problem,
 )
 from trainer.config import (  # noqa: E402
-    Budget,
     ConfigError,
+    StepBudget,
     TrainConfig,
     build_model_config,
     check_override_keys,
@@ -214,7 +214,7 @@ def _record_run(cfg: TrainConfig, accelerator: Accelerator, ckpt: Checkpointer, 
             write_text_atomic(run_dir / HYDRA_SUBDIR / name, text)
 
 
-def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, precision: str, budget: Budget,
+def _train(cfg: TrainConfig, preemption: Preemption, accelerator: Accelerator, precision: str, budget: StepBudget,
            token: str, hydra_files: dict[str, str]) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device

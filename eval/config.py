@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, is_dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from common.options import OptionError, did_you_mean, field_types, from_dict
 from eval.ruler_suite import RulerOptions
 from eval.suites import BetaEffOptions, LmOptions, PplOptions, RetrievalOptions
+from trainer.config import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "eval"
+EVAL_CONF_DIR = CONF_DIR / "eval"  # the evaluation's groups and presets, beside the training config's
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 MISSING = "???"
 
@@ -70,7 +70,7 @@ def check_override_keys(args: list[str]) -> None:
     Raises:
         OptionError: ``ruler.sample_per_cell: unknown key (did you mean 'samples_per_cell'?)``.
     """
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    groups = {p.name for p in EVAL_CONF_DIR.iterdir() if p.is_dir()}
     for arg in args:
         if arg.startswith(("-", "~")) or "=" not in arg:
             continue
@@ -78,7 +78,7 @@ def check_override_keys(args: list[str]) -> None:
         key = key.lstrip("+")
         parts = key.split(".")
         if key in groups:  # a config group: each value (a -m sweep lists several) names one of its files
-            choices = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            choices = sorted(p.stem for p in (EVAL_CONF_DIR / key).glob("*.yaml"))
             for choice in value.split(","):
                 if choice not in (*choices, "null"):
                     close = difflib.get_close_matches(choice, choices, n=1)
@@ -100,4 +100,4 @@ def check_override_keys(args: list[str]) -> None:
 def top_level_keys() -> set[str]:
     """The first key parts an ``evaluate.py`` override may start with: the schema's fields, the config groups and
     ``hydra``."""
-    return {*field_types(EvalConfig), *(p.name for p in CONF_DIR.iterdir() if p.is_dir()), "hydra"}
+    return {*field_types(EvalConfig), *(p.name for p in EVAL_CONF_DIR.iterdir() if p.is_dir()), "hydra"}

@@ -174,6 +174,7 @@ def test_kernel_settings_reach_every_mixer_as_arguments() -> None:
     (["trainer.global_batch_tokens=1000"], "trainer.global_batch_tokens: 1000 is not a multiple"),
     (["trainer.preempt_signals=[SIGFOO]"], "trainer.preempt_signals[0]: unknown signal"),
     (["+data.prepare.tokeniser=x"], "data.prepare.tokeniser: unknown key (did you mean 'tokenizer'?)"),
+    (["data.prepare.max_tokens=50B"], "data.prepare.max_tokens: '50B' is not an int"),
     (["data.auto_prepare=false"], "data.prepare.out_dir: must name"),
     (["optim.betas=[0.9]"], "optim.betas: must be two numbers"),
     (["optim.lr=0"], "optim.lr: must be > 0"),

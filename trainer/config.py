@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common import OptionError, did_you_mean, from_dict
 from trainer.mixer import ConfigError, canonical_mixer, check_mixer_args, check_model_overrides, mixer_choice
 from trainer.preemption import parse_signal
 from trainer.rundir import run_overrides
@@ -134,7 +135,7 @@ OmegaConf.register_new_resolver("run_overrides", partial(run_overrides, TrainCon
 
 
 @dataclass(frozen=True)
-class Budget:
+class StepBudget:
     """Step arithmetic derived from the token budget and the batch (docs/protocol.md §8)."""
 
     total_steps: int
@@ -143,7 +144,7 @@ class Budget:
     tokens_per_step: int
 
 
-def derive_budget(cfg: TrainConfig, world_size: int) -> Budget:
+def derive_budget(cfg: TrainConfig, world_size: int) -> StepBudget:
     """Optimiser steps, gradient accumulation and warm-up; ``ConfigError`` if the batch does not split."""
     t = cfg.trainer
     per_micro = t.micro_batch_size * cfg.data.seq_len * world_size
@@ -157,7 +158,7 @@ def derive_budget(cfg: TrainConfig, world_size: int) -> Budget:
         raise ConfigError(
             f"trainer.token_budget: {t.token_budget} tokens is less than one global batch "
             f"({t.global_batch_tokens}); raise the budget or set trainer.max_steps")
-    return Budget(total_steps=steps, grad_accum=t.global_batch_tokens // per_micro,
+    return StepBudget(total_steps=steps, grad_accum=t.global_batch_tokens // per_micro,
                   warmup_steps=math.ceil(cfg.optim.warmup_frac * steps), tokens_per_step=t.global_batch_tokens)
 
 
@@ -176,13 +177,6 @@ def _unknown_key_hint(full_key: str) -> str:
     names = [f.name for f in fields(node)] if is_dataclass(node) else []
     close = difflib.get_close_matches(parts[-1], names, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(names)})"
-
-
-def did_you_mean(key: str, names: list[str] | set[str]) -> str:
-    """``"<key>: unknown key"`` with the closest of ``names`` to its last part, or the valid keys."""
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(names), n=1)
-    return f"{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else
-                                    f" (valid keys: {', '.join(sorted(names))})")
 
 
 def override_keys(args: list[str], conf_dir: Path, added: bool) -> Iterator[list[str]]:
@@ -282,12 +276,10 @@ def _check_numbers(c: TrainConfig) -> None:
 def _check_data(d: DataConfig) -> None:
     from data import PrepareConfig
 
-    known = {f.name for f in fields(PrepareConfig)}
-    for key in d.prepare:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (PrepareConfig fields: {', '.join(sorted(known))})"
-            raise ConfigError(f"data.prepare.{key}: unknown key{hint}")
+    try:  # each key and each value's type, as data.prepare's own command line checks them
+        from_dict(PrepareConfig, dict(d.prepare), prefix="data.prepare.")
+    except OptionError as e:
+        raise ConfigError(str(e)) from None
     _require(d.auto_prepare or bool(d.prepare.get("out_dir")), "data.prepare.out_dir",
              "must name the prepared shard directory when data.auto_prepare is false")
 

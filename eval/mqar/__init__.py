@@ -8,7 +8,7 @@ from eval.mqar.report import load_results, plot, table, write_report
 from eval.mqar.run import Job, build_jobs, flatten, run_grid, summarize
 from eval.mqar.step import TrainStep, answer_logits
 from eval.mqar.train import (
-    Budget,
+    ExampleBudget,
     JobRun,
     MixerChoice,
     accuracy,
@@ -19,7 +19,8 @@ from eval.mqar.train import (
 )
 
 __all__ = [
-    "ALL_MIXERS", "GEN_BLOCK", "IGNORE", "LONG_SETTINGS", "PRESETS", "ZOOLOGY_SETTINGS", "Budget", "Job", "JobRun",
+    "ALL_MIXERS", "GEN_BLOCK", "IGNORE", "LONG_SETTINGS", "PRESETS", "ZOOLOGY_SETTINGS", "ExampleBudget", "Job",
+    "JobRun",
     "MQARConfig", "MQARSetting", "MQARSplit", "MixerChoice", "TrainStep", "accuracy", "answer_logits",
     "build_jobs", "flatten", "generate", "load_results", "model_config", "parse_overrides", "plot", "run_grid",
     "state_elements", "summarize", "table", "train_job", "train_together", "write_report",

@@ -10,7 +10,7 @@ import torch
 import models
 from common.options import parse_options
 from eval.mqar.data import MQARSetting
-from eval.mqar.train import PRECISIONS, Budget, MixerChoice, arm_suffix, check_curve, job_precision, model_config
+from eval.mqar.train import PRECISIONS, ExampleBudget, MixerChoice, arm_suffix, check_curve, job_precision, model_config
 from models.configuration import INIT_RULES
 
 ALL_MIXERS = ("kdn_diag", "kdn_diag/mu=1", "kdn_diag/mu=4dk", "kdn_iso", "kda", "gdn", "deltanet", "gdn2",
@@ -108,7 +108,7 @@ class MQARConfig:
         """``mixers`` parsed (raises on an unknown mixer or option)."""
         return [MixerChoice.parse(m) for m in self.mixers]
 
-    def budget(self) -> Budget:
+    def budget(self) -> ExampleBudget:
         """The training budget of every model of the grid."""
         if self.batch_tokens < 1 or self.epochs < 1:
             raise ValueError(f"batch_tokens and epochs must be >= 1, got {self.batch_tokens} and {self.epochs}")
@@ -117,7 +117,7 @@ class MQARConfig:
             batch = max(1, self.batch_tokens // s.seq_len)
             n = min(self.train_examples, self.max_train_tokens // s.seq_len)
             mix.append((s.name, max(batch, n // batch * batch)))
-        return Budget(train_mix=tuple(mix), valid_examples=self.valid_examples, test_examples=self.test_examples,
+        return ExampleBudget(train_mix=tuple(mix), valid_examples=self.valid_examples, test_examples=self.test_examples,
                       batch_tokens=self.batch_tokens, epochs=self.epochs, warmup_frac=self.warmup_frac,
                       min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
                       betas=(float(self.betas[0]), float(self.betas[1])), eps=self.eps, grad_clip=self.grad_clip,

@@ -39,7 +39,7 @@ from eval.mqar.jobs import has_jobs, job_records
 from eval.mqar.train import (
     DEFAULT_INIT,
     DEFAULT_PRECISION,
-    Budget,
+    ExampleBudget,
     JobRun,
     MixerChoice,
     architecture,
@@ -61,7 +61,7 @@ class Job:
     width: int
     lr: float
     seed: int
-    budget: Budget
+    budget: ExampleBudget
     settings: tuple[MQARSetting, ...]
     init: str = DEFAULT_INIT
     precision: str | None = None
@@ -186,7 +186,8 @@ def groups(jobs: list[Job], size: int) -> list[list[Job]]:
     return out
 
 
-def measured_costs(out: Path, budget: Budget, device: str, more: tuple[Path, ...] = ()) -> dict[tuple[str, int], float]:
+def measured_costs(out: Path, budget: ExampleBudget, device: str,
+                   more: tuple[Path, ...] = ()) -> dict[tuple[str, int], float]:
     """Mean wall time (s) per ``(mixer, width)`` of the stored jobs that trained ``budget`` in one go on ``device``:
     those under ``out/jobs`` (a job file without a device counts as this one's), and for a cell that ``out`` lacks,
     those of the folders ``more``, as job files or a summary (:func:`eval.mqar.jobs.job_records`; their device must

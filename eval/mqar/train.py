@@ -157,8 +157,9 @@ def accuracy(model: torch.nn.Module, split: MQARSplit, device: torch.device) -> 
 
 
 @dataclass(frozen=True)
-class Budget:
-    """What one job trains on and how (the optimiser's settings are conf/optim/adamw.yaml's, but for ``lr``).
+class ExampleBudget:
+    """What one job trains on, counted in examples per setting, and how (the optimiser's settings are
+    conf/optim/adamw.yaml's, but for ``lr``).
 
     ``train_mix``: ``(setting, examples)`` pairs, every one a multiple of its batch, ``batch_tokens // seq_len``
     sequences (at least 1)."""
@@ -218,7 +219,7 @@ class JobRun:
     (:data:`CURVES`), ``init`` and ``precision`` (:func:`model_config`).
     """
 
-    def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
+    def __init__(self, choice: MixerChoice, width: int, lr: float, seed: int, budget: ExampleBudget,
                  settings: list[MQARSetting], device: torch.device,
                  progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
                  checkpoint: Path | None = None, identity: dict[str, Any] | None = None, curve: str = "all",
@@ -372,7 +373,7 @@ def train_together(runs: list[JobRun]) -> list[dict[str, Any] | BaseException]:
     return out  # type: ignore[return-value]
 
 
-def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: Budget,
+def train_job(choice: MixerChoice, width: int, lr: float, seed: int, budget: ExampleBudget,
               settings: list[MQARSetting], device: torch.device,
               progress: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True,
               curve: str = "all", init: str = "fla", precision: str | None = None) -> dict[str, Any]:

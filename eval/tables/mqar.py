@@ -58,7 +58,7 @@ class MQARFile:
         return MQARConfig(**{k: v for k, v in self.data["config"].items() if k in known})
 
     def budget(self) -> dict[str, Any]:
-        """What this file's models trained on: ``eval.mqar.train.Budget``'s fields (the training mixture
+        """What this file's models trained on: ``eval.mqar.train.ExampleBudget``'s fields (the training mixture
         included) plus ``lrs``."""
         budget = dataclasses.asdict(self.config.budget())
         return json.loads(json.dumps({**budget, "lrs": sorted(self.config.lrs)}))  # tuples as lists, as in a file

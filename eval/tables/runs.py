@@ -18,14 +18,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import trainer.config  # noqa: F401  (the Hydra nodes conf/ composes with: the mixer group and trainer/schema)
 from common import read_jsonl
+from trainer.config import CONF_DIR  # also stores the Hydra nodes conf/ composes with (the mixer group, trainer/schema)
 
 SUITES = ("lm", "ruler", "retrieval", "ppl", "beta_eff")
 SCHEMA = 1
 KDN_DEFAULTS = {"mu": "dk", "noise": "learned", "alpha_param": "kda"}
 NOT_IDENTITY = ("backend", "precision")  # how the mixer computes, not what it is
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass(frozen=True)
