@@ -160,7 +160,11 @@ def test_every_tool_refuses_typos_and_bad_values_in_one_line_through_its_command
     """Each command started as a user starts it; they run side by side (each waits only on its own exit)."""
     from eval_fixtures import export_toy_run
 
+    from trainer.checkpoint import EXPORT_MANIFEST, write_manifest
+
     run = export_toy_run(tmp_path / "run", seq_len=64)
+    # the manifest train.py's export writes: the evaluation then loads it without a word about unverified files
+    write_manifest(run / "hf", EXPORT_MANIFEST, {"step": 10, "tokens": 40960, "checkpoint": None})
     cases = {
         ("data.prepare", "max_tokn"): (["-m", "data.prepare", "max_tokn=5"],
                                        "error: max_tokn: unknown key (did you mean 'max_tokens'?)"),
