@@ -30,6 +30,18 @@ def export_toy_run(root: Path, mixer: str = "kdn_diag", pattern: str = "recurren
     return root
 
 
+def verse_shards(folder: Path, documents: int) -> Path:
+    """Token shards of ``documents`` short verses (half of them the validation split) in ``folder / "s"``, from a
+    JSON-lines file written beside them: held-out text for the perplexity and probe suites."""
+    from data import PrepareConfig, prepare
+
+    src = folder / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
+                           for i in range(documents)))
+    return prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(folder / "s"), val_fraction=0.5,
+                                 num_workers=1, progress=False))
+
+
 @functools.cache
 def tokenizer_files() -> dict[str, bytes]:
     """Name -> bytes of the files ``save_pretrained`` writes for the mistral-v1 tokenizer: written once per process

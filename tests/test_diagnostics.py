@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from eval_fixtures import verse_shards
 
 import kdn
 import models
-from data import PrepareConfig, load_tokenizer, prepare
+from data import PrepareConfig, load_tokenizer
 from eval import diagnostics as dg
 
 
@@ -78,11 +79,7 @@ def test_fixed_gain_rule_takes_unit_observation_noise() -> None:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("probe")
-    src = tmp / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
-                           for i in range(80)))
-    return prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(tmp / "s"), val_fraction=0.5,
-                                 num_workers=1, progress=False))
+    return verse_shards(tmp, 80)
 
 
 @pytest.fixture(scope="module")

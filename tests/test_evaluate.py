@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_fixtures import export_toy_run
+from eval_fixtures import export_toy_run, verse_shards
 
 import evaluate
 import models
-from data import PrepareConfig, TokenLoader, prepare
+from data import TokenLoader
 from eval.harness import ACC_METRIC, Unavailable, load_model, load_task, table1_row, task_manager
 from eval.model_dir import resolve
 from eval.overwrite import probe_beta_eff
@@ -117,11 +117,7 @@ def test_table1_row_uses_the_papers_metrics() -> None:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("shards")
-    src = tmp / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
-                           for i in range(80)))
-    return prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(tmp / "s"), val_fraction=0.5,
-                                 num_workers=1, progress=False))
+    return verse_shards(tmp, 80)
 
 
 def test_ppl_suite_is_the_token_weighted_model_loss(run_dir: Path, shards: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from eval_fixtures import export_toy_run
+from eval_fixtures import export_toy_run, verse_shards
 from test_evaluate_export import logits_rel_err
 
 import eval.perplexity
@@ -103,14 +103,7 @@ def test_a_results_file_without_weights_is_recomputed(tmp_path: Path) -> None:
 def test_a_continued_runs_export_is_evaluated_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     run = export_toy_run(tmp_path / "run", seq_len=64)
-    shards = tmp_path / "shards"
-    from data import PrepareConfig, prepare
-
-    src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
-                           for i in range(40)))
-    prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(shards), val_fraction=0.5, num_workers=1,
-                          progress=False))
+    shards = verse_shards(tmp_path, 40)
     calls: list[str] = []
     real = eval.perplexity.shard_perplexity
 

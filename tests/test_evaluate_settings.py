@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from eval_fixtures import export_toy_run
+from eval_fixtures import export_toy_run, verse_shards
 
 import data
 import eval.ruler_suite
 import evaluate
-from data import PrepareConfig, prepare
 from eval.harness import make_lm, quiet_lm_eval
 from eval.results import git_commit
 
@@ -53,11 +52,7 @@ def mc_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("shards")
-    src = tmp / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
-                           for i in range(80)))
-    return prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(tmp / "s"), val_fraction=0.5,
-                                 num_workers=1, progress=False))
+    return verse_shards(tmp, 80)
 
 
 def test_lm_evals_model_gets_the_configured_max_length_batch_size_and_limit(

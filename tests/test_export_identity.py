@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_fixtures import export_toy_run
+from eval_fixtures import export_toy_run, verse_shards
 from test_evaluate_export import logits_rel_err
 from test_evaluate_integrity import _flip, write_checkpoint
 from toy_run import TOY, run_train
@@ -84,14 +84,7 @@ def test_results_label_the_weights_evaluated_not_the_runs_latest_record(tmp_path
 def test_a_damaged_run_export_is_refused_and_keeps_the_good_results(tmp_path: Path) -> None:
     run = export_toy_run(tmp_path / "run", seq_len=64)
     write_manifest(run / "hf", EXPORT_MANIFEST, {"step": 10, "tokens": 40960, "checkpoint": None})
-    shards = tmp_path / "shards"
-    from data import PrepareConfig, prepare
-
-    src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"Verse {i}: and the earth was without form, and void. " * 3}) + "\n"
-                           for i in range(40)))
-    prepare(PrepareConfig(source="jsonl", paths=str(src), out_dir=str(shards), val_fraction=0.5, num_workers=1,
-                          progress=False))
+    shards = verse_shards(tmp_path, 40)
     args = [f"model={run}", "suites=[ppl]", f"ppl.shards={shards}", "ppl.seq_len=16", "progress=false"]
     good = evaluate.run(evaluate.compose(args))["reports"]["ppl"]
     weights = run / "hf" / "model.safetensors"
