@@ -98,7 +98,7 @@ for stage in "$@"; do
       run_stage "kernels $expr" env KDN_ACCURACY_JSON="$OUT/accuracy.jsonl" KDN_INSTAFAIL=1 \
         python3 -m pytest -v ${KDN_PYTEST_ARGS--n 10} \
         -p no:cacheprovider -m gpu "${select[@]}" \
-        ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py tests/test_wy_tilelang_gpu.py tests/test_intra_gpu.py}
+        ${KDN_TESTS:-tests/test_kdn_triton.py tests/test_kdn_varlen_interpret.py tests/test_mixers_gpu.py tests/test_wy_tilelang_gpu.py tests/test_intra_gpu.py tests/test_state_output_gpu.py}
       ;;
     env=*=*)
       export "${stage#env=}"

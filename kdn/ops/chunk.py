@@ -136,6 +136,12 @@ def _gate_pass(
     return g, gc, safe_steepest(steep)
 
 
+def _recompute(recompute_states: bool) -> bool:
+    """The memory's ``recompute_states`` for this call: a forward without gradients (evaluation's prefill) keeps no
+    states for a backward that will not run, so that the fused state and output launch writes none."""
+    return bool(recompute_states) or not torch.is_grad_enabled()
+
+
 def chunk_diagonal_kdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, omega: Tensor, r: Tensor, mu: Tensor,
     initial_state: tuple[Tensor | None, Tensor], *, scale: float = 1.0, output_final_state: bool = True,
@@ -176,7 +182,7 @@ def chunk_diagonal_kdn(
         N, L = _check_gain_shapes(k, g, omega, r, mu, p0, False, cu_seqlens)
         o, S, pT = _DiagonalKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, p0, None if S0 is None else S0.float(),
                                       float(scale), output_final_state, cu_seqlens, N, L, omega_softplus,
-                                      bool(recompute_states), segment_size,
+                                      _recompute(recompute_states), segment_size,
                                       *(gate if gate is not None else (None, None)), precise)
         return o, (S, pT)
     if gate is not None:
@@ -216,7 +222,7 @@ def chunk_isotropic_kdn(
     dt = torch.float32 if precise else _mem_dtype(v)
     N, L = _check_gain_shapes(k, g, omega, r, mu, b0, True, cu_seqlens)
     o, S, bT = _IsotropicKDN.apply(q.to(dt), k, v.to(dt), g, omega, r, mu, b0, None if S0 is None else S0.float(),
-                                   float(scale), output_final_state, cu_seqlens, N, L, bool(recompute_states),
+                                   float(scale), output_final_state, cu_seqlens, N, L, _recompute(recompute_states),
                                    segment_size, *(gate if gate is not None else (None, None)), precise)
     return o, (S, bT)
 
@@ -245,4 +251,4 @@ def chunk_kda(
     check = safe_gate(g) if check is None else check
     S0 = None if initial_state is None else initial_state.float()
     return _AsymmetricMemory.apply(q, k, k, v, g, beta, S0, float(scale), output_final_state, cu_seqlens, check,
-                                   bool(recompute_states), bool(precise))
+                                   _recompute(recompute_states), bool(precise))

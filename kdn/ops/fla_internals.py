@@ -29,6 +29,7 @@ NAMES: dict[str, str] = {
     "RCP_LN2": "fla.ops.utils.constant",
     "autotune_cache_kwargs": "fla.utils",
     "prepare_chunk_indices": "fla.ops.utils",
+    "prepare_chunk_offsets": "fla.ops.utils",
     "chunk_local_cumsum": "fla.ops.utils",
     # hardware and Triton flags
     "IS_GATHER_SUPPORTED": "fla.utils",

@@ -28,6 +28,7 @@ from kdn.ops.triton.intra import chunk_asym_bwd_intra
 from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma, tma_supported
 from kdn.ops.triton.precision import maybe_precise
 from kdn.ops.triton.safe_gate import SafeGate
+from kdn.ops.triton.state_output import chunk_state_output, state_output_kernel
 from kdn.ops.triton.utils import kernel_choice
 from kdn.ops.validate import ASYM_CHUNK
 
@@ -83,14 +84,17 @@ def intra_kernel(safe: bool, tensors: tuple[Tensor, ...] = (), kernel: str | Non
 def _asym_memory_fwd(
     q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, S0: Tensor | None, scale: float,
     output_final_state: bool, cu_seqlens: Tensor | None, check: SafeGate, gc: Tensor | None = None,
-    recompute_states: bool = False, precise: bool = False,
+    recompute_states: bool = False, precise: bool = False, kernel: str | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor | None, ...], bool]:
     """The asymmetric memory's forward launches (shapes as :class:`_AsymmetricMemory`): ``(o, S_T, saved, safe)``,
     ``saved`` what :func:`_asym_memory_bwd` takes, ``safe`` the answer of ``check``
     (:func:`kdn.ops.triton.safe_gate.safe_gate`; read just before the first kernel that needs it): whether fla's
     tensor-core diagonal blocks were taken. Unless ``recompute_states``, ``saved`` holds the WY terms and chunk states
     the backward would otherwise recompute.
-    ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`)."""
+    ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`).
+    The chunk states and output: fla's two launches, or ours in one (:mod:`kdn.ops.triton.state_output`, which writes
+    ``h`` and ``v_new`` only when they are kept), as ``kernel`` (:func:`state_output_kernel`) chooses. A forward
+    without gradients passes ``recompute_states=True``: nothing is kept for a backward that will not run."""
     C = ASYM_CHUNK
     q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
     seqs = {"cu_seqlens": cu_seqlens,
@@ -102,10 +106,14 @@ def _asym_memory_fwd(
     safe = bool(check)
     keep = not recompute_states
     w, u, qg, kg, Aqk, Akk = fla_internals.asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
-    h, v_new, S = maybe_precise(fla_internals.chunk_gated_delta_rule_fwd_h, precise)(
-        k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
-    o = maybe_precise(fla_internals.chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale,
-                                                                 chunk_size=C, **seqs)
+    if state_output_kernel(kernel) == "fused":
+        o, h, v_new, S = maybe_precise(chunk_state_output, precise)(
+            q, kg, w, u, gc, Aqk, scale, S0, output_final_state, save_states=keep, qg=qg, chunk_size=C, **seqs)
+    else:
+        h, v_new, S = maybe_precise(fla_internals.chunk_gated_delta_rule_fwd_h, precise)(
+            k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
+        o = maybe_precise(fla_internals.chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale,
+                                                                     chunk_size=C, **seqs)
     states = (w, qg, kg, h, v_new) if keep else (None,) * 5
     saved = (q, k, kappa, v, gc, beta, Aqk, Akk, S0, seqs["cu_seqlens"], seqs["chunk_indices"], *states)
     return o.to(q.dtype), S, saved, safe

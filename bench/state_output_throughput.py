@@ -1,0 +1,168 @@
+"""The memory's chunk states and output on CUDA: fla's two launches (``chunk_gated_delta_rule_fwd_h`` +
+``chunk_gla_fwd_o_gk``) against ours in one (``kdn.ops.triton.state_output``), alone and inside the recurrence.
+
+1. The launches alone, at a training layer's shape (bf16, ``kg, w, u, gc, Aqk`` as the intra-chunk forward makes
+   them): keeping ``h`` and ``v_new`` for the backward (training) and keeping nothing (a forward without gradients).
+2. The recurrence as the layers call it (``bench.mixer_throughput.kernel_fn``'s inputs), under each
+   kernel that ``KDN_STATE_KERNEL`` chooses (a run per choice, e.g. two stages of ``bench/gpu.sh`` with
+   ``env=KDN_STATE_KERNEL=fused`` between them): Diagonal and Isotropic KDN, forward + backward and forward alone
+   without gradients (as evaluation's prefill runs it), against fla's ``chunk_kda`` in the same process.
+
+Prints the tables (ms, ratios; GB/s: the launch's compulsory bytes over its time) and ours' largest relative
+difference from fla per output, and writes ``--out`` (JSON, with the provenance of ``bench.provenance``).
+
+    python -m bench.state_output_throughput --batch 4 --T 8192 32768 --out bench/results/state_output.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bench import provenance
+from bench.mixer_throughput import time_ms, write_atomic
+from kdn.ops.validate import ASYM_CHUNK as BT
+
+
+def _launch_inputs(B: int, T: int, H: int, K: int) -> dict[str, Tensor]:
+    """Random bf16 ``q, kg, w, u, Aqk`` and FP32 ``gc`` (log2, chunk-local), never zeros."""
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    dev, bf = "cuda", torch.bfloat16
+    x = {n: (torch.randn(B, T, H, K, device=dev) * s).to(bf) for n, s in (("q", 1.0), ("kg", 0.1), ("w", 0.1),
+                                                                          ("u", 1.0))}
+    x["gc"] = chunk_local_cumsum(-F.softplus(torch.randn(B, T, H, K, device=dev)) * 0.1, chunk_size=BT,
+                                 scale=RCP_LN2)
+    x["Aqk"] = (torch.randn(B, T, H, BT, device=dev) * 0.1).to(bf)
+    return x
+
+
+def launch_rows(B: int, T: int, H: int, K: int) -> tuple[list[dict], dict[str, float]]:
+    """Section 1: a row per (path, states kept) and ours' relative difference from fla's outputs."""
+    from triton.testing import do_bench
+
+    from kdn.ops import fla_internals
+    from kdn.ops.triton.state_output import chunk_state_output
+
+    x = _launch_inputs(B, T, H, K)
+    scale = K ** -0.5
+
+    def fla() -> tuple[Tensor, ...]:
+        h, v_new, S = fla_internals.chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"],
+                                                                 output_final_state=True, chunk_size=BT)
+        return fla_internals.chunk_gla_fwd_o_gk(q=x["q"], v=v_new, g=x["gc"], A=x["Aqk"], h=h, scale=scale,
+                                                chunk_size=BT), h, v_new, S
+
+    def ours(save: bool) -> tuple[Tensor | None, ...]:
+        return chunk_state_output(x["q"], x["kg"], x["w"], x["u"], x["gc"], x["Aqk"], scale, None, True,
+                                  save_states=save)
+
+    n, nt = B * T * H * K, B * -(-T // BT) * H * K * K
+    inputs = 2 * 4 * n + 4 * n + 2 * B * T * H * BT  # q, kg, w, u (bf16), gc (FP32), Aqk
+    moved = {"fla (h, v_new written and read back)": inputs + 2 * (2 * nt + 2 * n) + 2 * n,
+             "fused, h and v_new kept": inputs + 2 * nt + 2 * n + 2 * n, "fused, nothing kept": inputs + 2 * n}
+    fns: dict[str, Callable[[], tuple]] = {"fla (h, v_new written and read back)": fla,
+                                           "fused, h and v_new kept": partial(ours, True),
+                                           "fused, nothing kept": partial(ours, False)}
+    rows = []
+    for name, fn in fns.items():
+        ms = do_bench(fn)
+        rows.append({"T": T, "path": name, "ms": ms, "GBps": moved[name] / ms / 1e6})
+    ref, got, lean = fla(), ours(True), ours(False)
+    diff = {name: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for name, a, b in zip(("o", "h", "v_new", "S"), got, ref)}
+    diff["o_nothing_kept"] = ((lean[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+    return rows, diff
+
+
+def _recurrence(name: str, B: int, T: int, H: int, K: int) -> tuple[tuple[Tensor, ...], Callable[[], Tensor]]:
+    """The leaves and a call of one recurrence, on ``bench.mixer_throughput.kernel_fn``'s inputs."""
+    import kdn
+
+    dev = "cuda"
+    q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16().requires_grad_()
+    k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = (-torch.rand(B, T, H, K, device=dev) * 0.5).requires_grad_()
+    if name == "kda":
+        from fla.ops.kda import chunk_kda
+
+        beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        return (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
+    r = (torch.rand(B, T, H, device=dev) + 0.1).requires_grad_()
+    iso = name == "kdn_iso"
+    omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
+    fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, validate=False)
+    return (q, k, v, g, omega, r), lambda: fn(q, k, v, g, omega, r)[0]
+
+
+def recurrence_rows(B: int, T: int, H: int, K: int, repeats: int) -> list[dict]:
+    """Section 2: a row per recurrence under the state kernel that ``KDN_STATE_KERNEL`` chooses (recorded in the
+    row): fwd+bwd and forward-alone ms, and each over fla's ``chunk_kda`` in the same process."""
+    from kdn.ops.triton.state_output import state_output_kernel
+
+    kernel, rows = state_output_kernel(), []
+    for name in ("kda", "kdn_diag", "kdn_iso"):
+        leaves, run = _recurrence(name, B, T, H, K)
+
+        def fwdbwd(leaves: tuple[Tensor, ...] = leaves, run: Callable[[], Tensor] = run) -> None:
+            for x in leaves:
+                x.grad = None
+            run().sum().backward()
+
+        def fwd(run: Callable[[], Tensor] = run) -> None:
+            with torch.no_grad():
+                run()
+
+        rows.append({"T": T, "recurrence": "fla chunk_kda" if name == "kda" else name,
+                     "state_kernel": "fla" if name == "kda" else kernel,
+                     "ms_fwdbwd": time_ms(fwdbwd, repeats), "ms_fwd_no_grad": time_ms(fwd, repeats)})
+        del leaves, run
+    for r in rows:
+        r["fwdbwd_over_chunk_kda"] = r["ms_fwdbwd"] / rows[0]["ms_fwdbwd"]
+        r["fwd_over_chunk_kda"] = r["ms_fwd_no_grad"] / rows[0]["ms_fwd_no_grad"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-launches", action="store_true", help="section 2 only (the launches were timed already)")
+    ap.add_argument("--out", default="bench/results/state_output.json")
+    a = ap.parse_args()
+    B, H, K = a.batch, a.heads, a.head_dim
+    launches, diffs, recurrences = [], {}, []
+    for T in a.T:
+        if not a.no_launches:
+            rows, diffs[str(T)] = launch_rows(B, T, H, K)
+            launches += rows
+        recurrences += recurrence_rows(B, T, H, K, a.repeats)
+        torch.cuda.empty_cache()
+    print(f"{'T':>6} {'launches':<40} {'ms':>8} {'GB/s':>6}")
+    for r in launches:
+        print(f"{r['T']:>6} {r['path']:<40} {r['ms']:8.3f} {r['GBps']:6.0f}")
+    print("relative difference, fused against fla's launches:", {T: {n: f"{v:.1e}" for n, v in d.items()}
+                                                                 for T, d in diffs.items()})
+    print(f"{'T':>6} {'recurrence':<15} {'state kernel':<12} {'fwd+bwd ms':>10} {'/ chunk_kda':>11} "
+          f"{'fwd ms':>8} {'/ chunk_kda':>11}")
+    for r in recurrences:
+        print(f"{r['T']:>6} {r['recurrence']:<15} {r['state_kernel']:<12} {r['ms_fwdbwd']:10.3f} "
+              f"{r['fwdbwd_over_chunk_kda']:11.3f} {r['ms_fwd_no_grad']:8.3f} {r['fwd_over_chunk_kda']:11.3f}")
+    result = {**provenance("bench.state_output_throughput"), "B": B, "H": H, "K": K, "launches": launches,
+              "relative_difference_vs_fla": diffs, "recurrences": recurrences}
+    write_atomic(Path(a.out), json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

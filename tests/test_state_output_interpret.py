@@ -1,0 +1,126 @@
+"""``kdn.ops.triton.state_output.chunk_state_output`` (the memory's chunk states and output in one launch) on the CPU
+through Triton's interpreter (``tests/triton_interpret.py``).
+
+Against fla's two launches (``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``) on the same FP32 inputs:
+``o``, the kept states ``h`` and values ``v_new``, and the final state, to 1e-5 (relative), with T not a multiple of
+the chunk, ``K`` not a power of two, several value blocks, an initial state, and packed sequences (one of a single
+token, one of exactly a chunk); the launch that keeps no states gives the same output, and so does one that reads
+``qg`` instead of ``q`` and ``gc``. Then the asymmetric memory through KDA's rule (``kdn.ops.chunk.chunk_kda``) with
+the fused launch, against the float64 token recurrence (``kdn.ops.naive.memory_step``): output, final state and the
+gradient of every input; and its forward without gradients, which keeps nothing, gives the same output.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("fla")
+triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_interpret.py
+
+SCRIPT = r"""
+import json, os, sys, torch, triton
+import torch.nn.functional as F
+sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.enable("fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.ops.utils", "fla.ops.kda",
+                        "fla.ops.precond_kda.chunk")
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+from fla.ops.utils import chunk_local_cumsum
+from fla.ops.utils.constant import RCP_LN2
+from kdn.ops import naive
+from kdn.ops.chunk import chunk_kda
+from kdn.ops.triton import state_output as so
+from kdn_inputs import make_inputs, rel_err
+
+BT = 64
+CONFIGS = list(so._state_output_kernel.configs)
+
+
+def use(**kw):  # the interpreter keeps the autotuner's first config
+    so._state_output_kernel.configs = sorted(CONFIGS, key=lambda c: any(c.kwargs[n] != v for n, v in kw.items()))
+
+
+def inputs(B, T, H, K, V, cu, N, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)
+    x = {"q": rnd(B, T, H, K), "kg": rnd(B, T, H, K) * 0.3, "w": rnd(B, T, H, K) * 0.3, "u": rnd(B, T, H, V)}
+    x["gc"] = chunk_local_cumsum(-F.softplus(rnd(B, T, H, K)) * 0.3, chunk_size=BT, scale=RCP_LN2, cu_seqlens=cu)
+    x["Aqk"] = rnd(B, T, H, BT) * 0.3  # the kernels read its lower triangle
+    x["h0"] = rnd(N, H, K, V) * 0.5
+    return x
+
+
+out = {}
+cases = {  # B, T, H, K, V, cu_seqlens, initial state, BV
+    "T77_K32_V32_h0": (2, 77, 2, 32, 32, None, True, 32),
+    "T130_K96_V64": (1, 130, 1, 96, 64, None, False, 32),
+    "T70_K128_V64_h0": (1, 70, 1, 128, 64, None, True, 64),
+    "varlen_K32_V64_h0": (1, 130, 2, 32, 64, torch.tensor([0, 1, 65, 130]), True, 64),
+}
+for name, (B, T, H, K, V, cu, use_h0, bv) in cases.items():
+    use(BV=bv)
+    N = B if cu is None else len(cu) - 1
+    x = inputs(B, T, H, K, V, cu, N, seed=T + K + V)
+    h0 = x["h0"] if use_h0 else None
+    h, v_new, S = chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"], initial_state=h0,
+                                               output_final_state=True, chunk_size=BT, cu_seqlens=cu)
+    o = chunk_gla_fwd_o_gk(q=x["q"], v=v_new, g=x["gc"], A=x["Aqk"], h=h, scale=0.37, cu_seqlens=cu, chunk_size=BT)
+    args = (x["q"], x["kg"], x["w"], x["u"], x["gc"], x["Aqk"], 0.37, h0, True)
+    o2, h2, v2, S2 = so.chunk_state_output(*args, cu_seqlens=cu)
+    assert so._state_output_kernel.best_config.kwargs["BV"] == bv
+    assert (o2.shape, h2.shape, v2.shape, S2.shape) == (o.shape, h.shape, v_new.shape, S.shape)
+    o3, h3, v3, S3 = so.chunk_state_output(*args, save_states=False, cu_seqlens=cu)
+    o4 = so.chunk_state_output(*args, qg=(x["q"] * torch.exp2(x["gc"])), cu_seqlens=cu)[0]
+    out[name] = {"o": rel_err(o2, o), "h": rel_err(h2, h), "v_new": rel_err(v2, v_new), "S": rel_err(S2, S),
+                 "o_unsaved": rel_err(o3, o), "S_unsaved": rel_err(S3, S), "o_qg": rel_err(o4, o),
+                 "unsaved_none": h3 is None and v3 is None}
+
+# the memory (KDA's rule) through the fused launch against the float64 recurrence, forward and every gradient
+os.environ["KDN_STATE_KERNEL"] = "fused"
+use(BV=32)
+B, T, H, K, V = 1, 70, 2, 32, 32
+x = make_inputs(B, T, H, K, V, seed=5)
+beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 0.8 + 0.1
+S0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+l64 = {"q": x["q"], "k": x["k"], "v": x["v"], "g": x["g"], "beta": beta, "S0": S0}
+l64 = {n: t.clone().requires_grad_() for n, t in l64.items()}
+l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
+S, os_ = l64["S0"], []
+for t in range(T):
+    o_t, S = naive.memory_step(l64["q"][:, t] * 0.41, l64["k"][:, t], l64["beta"][:, t, :, None] * l64["k"][:, t],
+                               l64["v"][:, t], l64["g"][:, t], S)
+    os_.append(o_t)
+o64 = torch.stack(os_, 1)
+o32, S32 = chunk_kda(l32["q"], l32["k"], l32["v"], l32["g"], l32["beta"], scale=0.41, initial_state=l32["S0"],
+                     output_final_state=True)
+gen = torch.Generator().manual_seed(8)
+do = torch.randn(o64.shape, generator=gen, dtype=torch.float64)
+dS = torch.randn(S.shape, generator=gen, dtype=torch.float64)
+g64 = torch.autograd.grad((o64 * do).sum() + (S * dS).sum(), list(l64.values()))
+g32 = torch.autograd.grad((o32 * do.float()).sum() + (S32 * dS.float()).sum(), list(l32.values()))
+with torch.no_grad():
+    o_ng = chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])[0]
+out["memory"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S), "o_no_grad": rel_err(o_ng, o64)}
+out["memory"] |= {f"d{n}": rel_err(a, b) for n, a, b in zip(l64, g32, g64)}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict:
+    return triton_interpret.run_interpreted(SCRIPT)
+
+
+def test_fused_state_and_output_match_flas_two_launches(errors: dict) -> None:
+    cases = {n: e for n, e in errors.items() if n != "memory"}
+    assert set(cases) == {"T77_K32_V32_h0", "T130_K96_V64", "T70_K128_V64_h0", "varlen_K32_V64_h0"}
+    for case, e in cases.items():
+        assert e.pop("unsaved_none") is True, case  # the launch without the backward keeps neither h nor v_new
+        assert max(e.values()) <= 1e-5, (case, e)
+
+
+def test_memory_through_the_fused_launch_matches_float64(errors: dict) -> None:
+    e = errors["memory"]
+    assert set(e) == {"o", "S", "o_no_grad", "dq", "dk", "dv", "dg", "dbeta", "dS0"}
+    assert max(e.values()) <= 1e-4, e
