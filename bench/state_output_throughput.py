@@ -108,7 +108,7 @@ def recurrence_rows(B: int, T: int, H: int, K: int, repeats: int) -> list[dict]:
     row): fwd+bwd and forward-alone ms, and each over fla's ``chunk_kda`` in the same process."""
     from kdn.ops.triton.state_output import state_output_kernel
 
-    kernel, rows = state_output_kernel(), []
+    kernel, rows = state_output_kernel(device=torch.device("cuda")), []
     for name in ("kda", "kdn_diag", "kdn_iso"):
         leaves, run = _recurrence(name, B, T, H, K)
 

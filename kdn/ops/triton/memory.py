@@ -106,7 +106,7 @@ def _asym_memory_fwd(
     safe = bool(check)
     keep = not recompute_states
     w, u, qg, kg, Aqk, Akk = fla_internals.asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
-    if state_output_kernel(kernel) == "fused":
+    if state_output_kernel(kernel, q.device) == "fused":
         o, h, v_new, S = maybe_precise(chunk_state_output, precise)(
             q, kg, w, u, gc, Aqk, scale, S0, output_final_state, save_states=keep, qg=qg, chunk_size=C, **seqs)
     else:

@@ -105,11 +105,16 @@ def _state_output_kernel(q, qg, gc, kg, w, u, Aqk, h0, h, v_new, o, ht, cu_seqle
 KERNELS = ("auto", "fused", "fla")
 
 
-def state_output_kernel(kernel: str | None = None) -> str:
-    """Which launches make the memory's chunk states and output: ``"fused"`` (:func:`chunk_state_output`, one launch)
-    or ``"fla"`` (fla's two); ``kernel`` ``"auto"`` (the default) is fla's, None reads ``KDN_STATE_KERNEL``."""
+def state_output_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:
+    """Which launches make the memory's chunk states and output on ``device``: ``"fused"`` (:func:`chunk_state_output`,
+    one launch) or ``"fla"`` (fla's two). ``kernel`` ``"auto"`` (the default) takes the fused launch on sm_90 and
+    later, where it was measured faster (docs/results/recurrence.md), fla's elsewhere; None reads
+    ``KDN_STATE_KERNEL``."""
     kernel = kernel_choice(kernel, "KDN_STATE_KERNEL", KERNELS, "state and output kernel")
-    return "fla" if kernel == "auto" else kernel
+    if kernel != "auto":
+        return kernel
+    hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return "fused" if hopper else "fla"
 
 
 def chunk_state_output(
