@@ -80,3 +80,13 @@ def test_fused_launch_matches_flas_two_launches(lengths: tuple[int, ...]) -> Non
     errs |= {"o_nothing_kept": rel_err(lean[0], o), "S_nothing_kept": rel_err(lean[3], S)}
     assert lean[1] is None and lean[2] is None
     assert max(errs.values()) <= 0.005, errs  # bf16 outputs: the dots' order differs from fla's, not the values
+
+
+def test_auto_takes_the_fused_launch_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.ops.triton.state_output import state_output_kernel
+
+    monkeypatch.delenv("KDN_STATE_KERNEL", raising=False)
+    dev = torch.device("cuda")
+    want = "fused" if torch.cuda.get_device_capability(dev)[0] >= 9 else "fla"
+    assert state_output_kernel(None, dev) == want
+    assert state_output_kernel("fla", dev) == "fla"
