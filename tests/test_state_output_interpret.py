@@ -99,9 +99,14 @@ do = torch.randn(o64.shape, generator=gen, dtype=torch.float64)
 dS = torch.randn(S.shape, generator=gen, dtype=torch.float64)
 g64 = torch.autograd.grad((o64 * do).sum() + (S * dS).sum(), list(l64.values()))
 g32 = torch.autograd.grad((o32 * do.float()).sum() + (S32 * dS.float()).sum(), list(l32.values()))
+import kdn.ops.triton.memory as memory
+kept, launch = [], memory.chunk_state_output
+memory.chunk_state_output = lambda *a, **kw: kept.append(kw["save_states"]) or launch(*a, **kw)
+chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])
 with torch.no_grad():
     o_ng = chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])[0]
 out["memory"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S), "o_no_grad": rel_err(o_ng, o64)}
+out["states_kept"] = kept  # with gradients, then without
 out["memory"] |= {f"d{n}": rel_err(a, b) for n, a, b in zip(l64, g32, g64)}
 print(json.dumps(out))
 """
@@ -113,7 +118,7 @@ def errors() -> dict:
 
 
 def test_fused_state_and_output_match_flas_two_launches(errors: dict) -> None:
-    cases = {n: e for n, e in errors.items() if n != "memory"}
+    cases = {n: e for n, e in errors.items() if n not in ("memory", "states_kept")}
     assert set(cases) == {"T77_K32_V32_h0", "T130_K96_V64", "T70_K128_V64_h0", "varlen_K32_V64_h0"}
     for case, e in cases.items():
         assert e.pop("unsaved_none") is True, case  # the launch without the backward keeps neither h nor v_new
@@ -124,3 +129,26 @@ def test_memory_through_the_fused_launch_matches_float64(errors: dict) -> None:
     e = errors["memory"]
     assert set(e) == {"o", "S", "o_no_grad", "dq", "dk", "dv", "dg", "dbeta", "dS0"}
     assert max(e.values()) <= 1e-4, e
+
+
+def test_a_forward_without_gradients_keeps_no_states(errors: dict) -> None:
+    assert errors["states_kept"] == [True, False]  # the fused launch writes h and v_new only for a backward
+
+
+@pytest.mark.parametrize("capability,want", [((9, 0), "fused"), ((10, 0), "fused"), ((8, 9), "fla")])
+def test_auto_takes_the_fused_launch_from_sm90_on(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                                                  want: str) -> None:
+    import torch
+
+    from kdn.ops.triton.state_output import state_output_kernel
+
+    monkeypatch.delenv("KDN_STATE_KERNEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert state_output_kernel(None, torch.device("cuda")) == want
+    assert state_output_kernel(None, torch.device("cpu")) == "fla"
+    assert state_output_kernel("fla", torch.device("cuda")) == "fla"
+    monkeypatch.setenv("KDN_STATE_KERNEL", "fla")
+    assert state_output_kernel(None, torch.device("cuda")) == "fla"
+    monkeypatch.setenv("KDN_STATE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="set KDN_STATE_KERNEL to one of them"):
+        state_output_kernel(None, torch.device("cuda"))
