@@ -60,7 +60,9 @@ gpu_prepare || exit 1
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', fla.__version__)"
+  # fla's version from its distribution, as bench.provenance records it beside each figure: importing fla itself
+  # imports every op module (about 8 s of each run)
+  python3 -c "from importlib import metadata; import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', metadata.version('flash-linear-attention'))"
   if [ -n "${KDN_GIT_COMMIT:-}" ]; then echo "commit $KDN_GIT_COMMIT"; else
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo 'not recorded (no git checkout)')$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"; fi
 } 2>&1 | grep -v Warn | tee -a "$LOG"

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from bench import roofline
 from common import write_atomic
 from eval.results import git_commit
-from models.registry import KDN_MIXERS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -78,6 +77,7 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> 
     input gradients are handed over, not summed into the previous call's (``.grad`` cleared first), as in a layer
     whose gradients flow on to the projections."""
     import kdn
+    from models.registry import KDN_MIXERS  # here, not at the top: `--help` need not import the models
 
     dev = torch.device("cuda")
     q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16().requires_grad_()

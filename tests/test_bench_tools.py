@@ -394,17 +394,24 @@ def test_gpu_mqar_stage_resumes_from_carried_job_files(tmp_path: Path, carried: 
 
 
 def test_gpu_bench_stages_of_one_module_write_separate_files(tmp_path: Path) -> None:
-    """Two `bench=MODULE` stages of one module keep both results: MODULE.json, then MODULE_2.json."""
-    root, out = Path(__file__).resolve().parents[1], tmp_path / "out"
-    env = _gpu_sh_env(tmp_path, out)
-    tiny = "--size toy --parts ruler --samples-per-cell 1 --cells niah_single_1@1024 --ruler-new-tokens 1"
-    proc = subprocess.run(["bash", "bench/gpu.sh", f"bench=eval_speed {tiny} --pattern recurrent",
-                           f"bench=eval_speed {tiny} --pattern hybrid_swa"], cwd=root, capture_output=True,
-                          text=True, timeout=timeout_s(600), env=env)
+    """Two `bench=MODULE` stages of one module keep both results: MODULE.json, then MODULE_2.json. The module is
+    bench.mixer_throughput joining one sweep file each (``--merge``: no GPU, and no model stack to import): each
+    result names the sweep it came from."""
+    out = tmp_path / "out"
+    sweeps = []
+    for gpu in ("0", "1"):
+        sweep = tmp_path / f"sweep{gpu}.json"
+        row = {"mixer": "kdn_diag", "T": 2048, "ms_fwdbwd": 4.0, "ms_fwd": 1.0, "ms_kernel_fwdbwd": None,
+               "ms_host_fwdbwd": 0.5, "tokens_per_s": 2048e3, "peak_mem_gb": 1.0}
+        sweep.write_text(json.dumps({"header": {"device": "H200", "cuda_visible_devices": gpu}, "results": [row]}))
+        sweeps.append(sweep)
+    proc = subprocess.run(["bash", "bench/gpu.sh", *(f"bench=mixer_throughput --merge {s}" for s in sweeps)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s(300),
+                          env=_gpu_sh_env(tmp_path, out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    patterns = [json.loads((out / name).read_text())["header"]["model"]["pattern"]
-                for name in ("eval_speed.json", "eval_speed_2.json")]
-    assert patterns == ["recurrent", "hybrid_swa"]
+    gpus = [json.loads((out / name).read_text())["header"]["cuda_visible_devices"]
+            for name in ("mixer_throughput.json", "mixer_throughput_2.json")]
+    assert gpus == ["0", "1"]
 
 
 def test_tilelang_kernels_are_packed_without_their_scratch(tmp_path: Path) -> None:

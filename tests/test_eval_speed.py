@@ -23,6 +23,7 @@ def test_eval_speed_runs_at_toy_size(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == rep
     h = rep["header"]
     assert h["device"] == "cpu" and h["versions"]["torch"] and h["date"] and h["model"]["parameters"] > 0
+    assert h["model"]["pattern"] == "recurrent"  # the default
     assert h["warmup_s"] > 0  # the first forwards, timed before the parts
     cell = rep["ruler"]["cells"]["niah_single_1@1024"]
     assert rep["ruler"]["samples"] == 2 and cell["prefill_s"] > 0 and cell["decode_s"] > 0
@@ -36,7 +37,8 @@ def test_the_ruler_grid_runs_at_the_default_auto_batch_and_records_its_batches(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rep = eval_speed.main(["--size", "toy", "--parts", "ruler", "--samples-per-cell", "3", "--cells",
                            "niah_single_1@1024,niah_multikey_1@1024", "--ruler-new-tokens", "2", "--no-warmup",
-                           "--out", str(tmp_path / "s.json")])
+                           "--pattern", "hybrid_swa", "--out", str(tmp_path / "s.json")])
+    assert rep["header"]["model"]["pattern"] == "hybrid_swa"  # the model built and recorded is the one asked for
     assert "warmup_s" not in rep["header"]
     assert rep["header"]["batch_size"] == rep["header"]["lm_batch_size"] == 8  # auto on the CPU
     assert [c["batch_sizes"] for c in rep["ruler"]["cells"].values()] == [[3], [3]] and not rep["ruler"]["searches"]
