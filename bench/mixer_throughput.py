@@ -70,12 +70,12 @@ def build_layer(name: str, d: int, H: int, K: int, **settings: object) -> nn.Mod
     return MIXERS[mixer].build(cfg, 0, cfg.mixer_kwargs).cuda().to(torch.bfloat16)
 
 
-def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> Callable[[], None] | None:
-    """The recurrent kernel alone (fwd+bwd) on layer-like inputs, for the mixers we can call directly;
+def kernel_call(name: str, B: int, T: int, H: int, K: int,
+                **settings: object) -> tuple[tuple[torch.Tensor, ...], Callable[[], torch.Tensor]] | None:
+    """``(leaves, run)``: the recurrent kernel of mixer ``name`` on layer-like inputs (``leaves``, each requiring its
+    gradient) and a call of it returning its output, for the mixers we can call directly (None for the others);
     ``settings`` as in :func:`build_layer`. KDN runs as its layers call it, without the API's value checks
-    (``validate=False``: a NaN/range pass over every input and a host sync, not the recurrence), and every mixer's
-    input gradients are handed over, not summed into the previous call's (``.grad`` cleared first), as in a layer
-    whose gradients flow on to the projections."""
+    (``validate=False``: a NaN/range pass over every input and a host sync, not the recurrence)."""
     import kdn
     from models.registry import KDN_MIXERS  # here, not at the top: `--help` need not import the models
 
@@ -89,14 +89,25 @@ def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> 
         from fla.ops.kda import chunk_kda
 
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        leaves, run = (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
-    elif name in KDN_MIXERS:
+        return (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
+    if name in KDN_MIXERS:
         iso = name == "kdn_iso"
         omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
         fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, validate=False, **settings)
-        leaves, run = (q, k, v, g, omega, r), lambda: fn(q, k, v, g, omega, r)[0]
-    else:
-        return None
+        return (q, k, v, g, omega, r), lambda: fn(q, k, v, g, omega, r)[0]
+    return None
+
+
+def kernel_fn(name: str, B: int, T: int, H: int, K: int, **settings: object) -> Callable[[], None] | None:
+    """The recurrent kernel alone (fwd+bwd) of :func:`kernel_call`, for the mixers it can call. Every mixer's input
+    gradients are handed over, not summed into the previous call's (``.grad`` cleared first), as in a layer whose
+    gradients flow on to the projections."""
+    call = kernel_call(name, B, T, H, K, **settings)
+    return None if call is None else fwdbwd_step(*call)
+
+
+def fwdbwd_step(leaves: tuple[torch.Tensor, ...], run: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One forward + backward of ``run`` (:func:`kernel_call`), its leaves' gradients cleared first."""
 
     def step() -> None:
         for x in leaves:

@@ -3,7 +3,7 @@
 
 1. The launches alone, at a training layer's shape (bf16, ``kg, w, u, gc, Aqk`` as the intra-chunk forward makes
    them): keeping ``h`` and ``v_new`` for the backward (training) and keeping nothing (a forward without gradients).
-2. The recurrence as the layers call it (``bench.mixer_throughput.kernel_fn``'s inputs), under each
+2. The recurrence as the layers call it (``bench.mixer_throughput.kernel_call``), under each
    kernel that ``KDN_STATE_KERNEL`` chooses (a run per choice, e.g. two stages of ``bench/gpu.sh`` with
    ``env=KDN_STATE_KERNEL=fused`` between them): Diagonal and Isotropic KDN, forward + backward and forward alone
    without gradients (as evaluation's prefill runs it), against fla's ``chunk_kda`` in the same process.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bench import provenance
-from bench.mixer_throughput import time_ms, write_atomic
+from bench.mixer_throughput import fwdbwd_step, kernel_call, time_ms, write_atomic
 from kdn.ops.validate import ASYM_CHUNK as BT
 
 
@@ -42,6 +42,11 @@ def _launch_inputs(B: int, T: int, H: int, K: int) -> dict[str, Tensor]:
                                  scale=RCP_LN2)
     x["Aqk"] = (torch.randn(B, T, H, BT, device=dev) * 0.1).to(bf)
     return x
+
+
+def _rel(x: Tensor, ref: Tensor) -> float:
+    """``||x - ref|| / ||ref||``."""
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def launch_rows(B: int, T: int, H: int, K: int) -> tuple[list[dict], dict[str, float]]:
@@ -76,31 +81,9 @@ def launch_rows(B: int, T: int, H: int, K: int) -> tuple[list[dict], dict[str, f
         ms = do_bench(fn)
         rows.append({"T": T, "path": name, "ms": ms, "GBps": moved[name] / ms / 1e6})
     ref, got, lean = fla(), ours(True), ours(False)
-    diff = {name: ((a.float() - b.float()).norm() / b.float().norm()).item()
-            for name, a, b in zip(("o", "h", "v_new", "S"), got, ref)}
-    diff["o_nothing_kept"] = ((lean[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+    diff = {name: _rel(a, b) for name, a, b in zip(("o", "h", "v_new", "S"), got, ref)}
+    diff["o_nothing_kept"] = _rel(lean[0], ref[0])
     return rows, diff
-
-
-def _recurrence(name: str, B: int, T: int, H: int, K: int) -> tuple[tuple[Tensor, ...], Callable[[], Tensor]]:
-    """The leaves and a call of one recurrence, on ``bench.mixer_throughput.kernel_fn``'s inputs."""
-    import kdn
-
-    dev = "cuda"
-    q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16().requires_grad_()
-    k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
-    v = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = (-torch.rand(B, T, H, K, device=dev) * 0.5).requires_grad_()
-    if name == "kda":
-        from fla.ops.kda import chunk_kda
-
-        beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        return (q, k, v, g, beta), lambda: chunk_kda(q, k, v, g, beta, scale=1.0)[0]
-    r = (torch.rand(B, T, H, device=dev) + 0.1).requires_grad_()
-    iso = name == "kdn_iso"
-    omega = torch.rand(*((B, T, H) if iso else (B, T, H, K)), device=dev).requires_grad_()
-    fn = partial(kdn.isotropic_kdn if iso else kdn.diagonal_kdn, validate=False)
-    return (q, k, v, g, omega, r), lambda: fn(q, k, v, g, omega, r)[0]
 
 
 def recurrence_rows(B: int, T: int, H: int, K: int, repeats: int) -> list[dict]:
@@ -110,12 +93,8 @@ def recurrence_rows(B: int, T: int, H: int, K: int, repeats: int) -> list[dict]:
 
     kernel, rows = state_output_kernel(device=torch.device("cuda")), []
     for name in ("kda", "kdn_diag", "kdn_iso"):
-        leaves, run = _recurrence(name, B, T, H, K)
-
-        def fwdbwd(leaves: tuple[Tensor, ...] = leaves, run: Callable[[], Tensor] = run) -> None:
-            for x in leaves:
-                x.grad = None
-            run().sum().backward()
+        leaves, run = kernel_call(name, B, T, H, K)
+        fwdbwd = fwdbwd_step(leaves, run)
 
         def fwd(run: Callable[[], Tensor] = run) -> None:
             with torch.no_grad():
@@ -124,7 +103,7 @@ def recurrence_rows(B: int, T: int, H: int, K: int, repeats: int) -> list[dict]:
         rows.append({"T": T, "recurrence": "fla chunk_kda" if name == "kda" else name,
                      "state_kernel": "fla" if name == "kda" else kernel,
                      "ms_fwdbwd": time_ms(fwdbwd, repeats), "ms_fwd_no_grad": time_ms(fwd, repeats)})
-        del leaves, run
+        del fwdbwd, leaves, run
     for r in rows:
         r["fwdbwd_over_chunk_kda"] = r["ms_fwdbwd"] / rows[0]["ms_fwdbwd"]
         r["fwd_over_chunk_kda"] = r["ms_fwd_no_grad"] / rows[0]["ms_fwd_no_grad"]
