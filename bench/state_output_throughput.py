@@ -1,15 +1,18 @@
-"""The memory's chunk states and output on CUDA: fla's two launches (``chunk_gated_delta_rule_fwd_h`` +
-``chunk_gla_fwd_o_gk``) against ours in one (``kdn.ops.triton.state_output``), alone and inside the recurrence.
+"""The memory's forward after its intra-chunk matrices on CUDA: fla's three launches (``recompute_w_u_fwd``,
+``chunk_gated_delta_rule_fwd_h``, ``chunk_gla_fwd_o_gk``) against fla's first + ours for the other two and against
+ours for all three (``kdn.ops.triton.state_output``), alone and inside the recurrence.
 
-1. The launches alone, at a training layer's shape (bf16, ``kg, w, u, gc, Aqk`` as the intra-chunk forward makes
-   them): keeping ``h`` and ``v_new`` for the backward (training) and keeping nothing (a forward without gradients).
-2. The recurrence as the layers call it (``bench.mixer_throughput.kernel_call``), under each
-   kernel that ``KDN_STATE_KERNEL`` chooses (a run per choice, e.g. two stages of ``bench/gpu.sh`` with
-   ``env=KDN_STATE_KERNEL=fused`` between them): Diagonal and Isotropic KDN, forward + backward and forward alone
-   without gradients (as evaluation's prefill runs it), against fla's ``chunk_kda`` in the same process.
+1. The launches alone, at a training layer's shape (bf16, ``q, k, kappa, v, beta, gc, Akk, Aqk`` as the intra-chunk
+   forward leaves them): keeping the states (``h``, ``v_new``, and the WY terms) for the backward (training) and
+   keeping nothing (a forward without gradients).
+2. The recurrence as the layers call it (``bench.mixer_throughput.kernel_call``), under each kernel that
+   ``KDN_STATE_KERNEL`` chooses (a run per choice, e.g. stages of ``bench/gpu.sh`` with ``env=KDN_STATE_KERNEL=fused``
+   or ``wy`` between them): Diagonal and Isotropic KDN, forward + backward and forward alone without gradients (as
+   evaluation's prefill runs it), against fla's ``chunk_kda`` in the same process.
 
-Prints the tables (ms, ratios; GB/s: the launch's compulsory bytes over its time) and ours' largest relative
-difference from fla per output, and writes ``--out`` (JSON, with the provenance of ``bench.provenance``).
+Prints the tables (ms, ratios; GB/s: the bytes each path moves, by its inputs, outputs and intermediates, over its
+time) and our paths' relative difference from fla per output, and writes ``--out`` (JSON, with the provenance of
+``bench.provenance``).
 
     python -m bench.state_output_throughput --batch 4 --T 8192 32768 --out bench/results/state_output.json
 """
@@ -31,16 +34,20 @@ from kdn.ops.validate import ASYM_CHUNK as BT
 
 
 def _launch_inputs(B: int, T: int, H: int, K: int) -> dict[str, Tensor]:
-    """Random bf16 ``q, kg, w, u, Aqk`` and FP32 ``gc`` (log2, chunk-local), never zeros."""
+    """Random bf16 ``q, k, kappa, v, beta, Aqk`` and ``Akk`` (unit lower triangular within each chunk, as the WY
+    inverse) and FP32 ``gc`` (log2, chunk-local), never zeros."""
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
     dev, bf = "cuda", torch.bfloat16
-    x = {n: (torch.randn(B, T, H, K, device=dev) * s).to(bf) for n, s in (("q", 1.0), ("kg", 0.1), ("w", 0.1),
-                                                                          ("u", 1.0))}
+    x = {n: (torch.randn(B, T, H, K, device=dev) * s).to(bf) for n, s in (("q", 1.0), ("k", 0.1), ("kappa", 0.1),
+                                                                          ("v", 1.0))}
     x["gc"] = chunk_local_cumsum(-F.softplus(torch.randn(B, T, H, K, device=dev)) * 0.1, chunk_size=BT,
                                  scale=RCP_LN2)
     x["Aqk"] = (torch.randn(B, T, H, BT, device=dev) * 0.1).to(bf)
+    x["beta"] = (torch.rand(B, T, H, device=dev) * 0.8 + 0.1).to(bf)
+    row, col = (torch.arange(T, device=dev) % BT)[:, None, None], torch.arange(BT, device=dev)
+    x["Akk"] = torch.where(col < row, torch.randn(B, T, H, BT, device=dev) * 0.1, (col == row).float()).to(bf)
     return x
 
 
@@ -49,40 +56,56 @@ def _rel(x: Tensor, ref: Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def launch_rows(B: int, T: int, H: int, K: int) -> tuple[list[dict], dict[str, float]]:
-    """Section 1: a row per (path, states kept) and ours' relative difference from fla's outputs."""
+def launch_rows(B: int, T: int, H: int, K: int) -> tuple[list[dict], dict[str, dict[str, float]]]:
+    """Section 1: a row per (path, states kept) of the launches after the intra-chunk matrices, and our paths'
+    relative difference from fla's outputs."""
     from triton.testing import do_bench
 
     from kdn.ops import fla_internals
-    from kdn.ops.triton.state_output import chunk_state_output
+    from kdn.ops.triton.state_output import chunk_state_output, chunk_wy_state_output
 
     x = _launch_inputs(B, T, H, K)
     scale = K ** -0.5
 
+    def wy(keep: bool) -> tuple[Tensor | None, ...]:
+        return fla_internals.recompute_w_u_fwd(k=x["k"], k_precond=x["kappa"], v=x["v"], beta=x["beta"], A=x["Akk"],
+                                               gk=x["gc"], q=x["q"], output_qg=keep, output_kg=True)
+
     def fla() -> tuple[Tensor, ...]:
-        h, v_new, S = fla_internals.chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"],
+        w, u, qg, kg = wy(True)
+        h, v_new, S = fla_internals.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=x["gc"],
                                                                  output_final_state=True, chunk_size=BT)
         return fla_internals.chunk_gla_fwd_o_gk(q=x["q"], v=v_new, g=x["gc"], A=x["Aqk"], h=h, scale=scale,
-                                                chunk_size=BT), h, v_new, S
+                                                chunk_size=BT), h, v_new, S, w, qg, kg
 
-    def ours(save: bool) -> tuple[Tensor | None, ...]:
-        return chunk_state_output(x["q"], x["kg"], x["w"], x["u"], x["gc"], x["Aqk"], scale, None, True,
-                                  save_states=save)
+    def fused(keep: bool) -> tuple[Tensor | None, ...]:
+        w, u, qg, kg = wy(keep)
+        return chunk_state_output(x["q"], kg, w, u, x["gc"], x["Aqk"], scale, None, True, save_states=keep, qg=qg)
+
+    def one(keep: bool) -> tuple[Tensor | None, ...]:
+        return chunk_wy_state_output(x["q"], x["k"], x["kappa"], x["v"], x["beta"], x["gc"], x["Akk"], x["Aqk"],
+                                     scale, None, True, save_states=keep)
 
     n, nt = B * T * H * K, B * -(-T // BT) * H * K * K
-    inputs = 2 * 4 * n + 4 * n + 2 * B * T * H * BT  # q, kg, w, u (bf16), gc (FP32), Aqk
-    moved = {"fla (h, v_new written and read back)": inputs + 2 * (2 * nt + 2 * n) + 2 * n,
-             "fused, h and v_new kept": inputs + 2 * nt + 2 * n + 2 * n, "fused, nothing kept": inputs + 2 * n}
-    fns: dict[str, Callable[[], tuple]] = {"fla (h, v_new written and read back)": fla,
-                                           "fused, h and v_new kept": partial(ours, True),
-                                           "fused, nothing kept": partial(ours, False)}
+    base = 2 * 4 * n + 4 * n + 2 * B * T * H * (2 * BT + 1) + 2 * n  # q, k, kappa, v, gc, Aqk, Akk, beta; o
+    kept = 2 * nt + 2 * n  # h, v_new written for the backward
+    paths: dict[str, tuple[Callable[[], tuple], int]] = {
+        "fla: WY, states, output (3 launches)": (fla, base + 2 * 4 * 2 * n + 2 * kept),
+        "fla WY + fused, states kept": (partial(fused, True), base + 2 * 4 * 2 * n + kept),
+        "fla WY + fused, nothing kept": (partial(fused, False), base + 2 * 3 * 2 * n),
+        "wy (1 launch), states kept": (partial(one, True), base + 3 * 2 * n + kept),
+        "wy (1 launch), nothing kept": (partial(one, False), base),
+    }
     rows = []
-    for name, fn in fns.items():
+    for name, (fn, moved) in paths.items():
         ms = do_bench(fn)
-        rows.append({"T": T, "path": name, "ms": ms, "GBps": moved[name] / ms / 1e6})
-    ref, got, lean = fla(), ours(True), ours(False)
-    diff = {name: _rel(a, b) for name, a, b in zip(("o", "h", "v_new", "S"), got, ref)}
-    diff["o_nothing_kept"] = _rel(lean[0], ref[0])
+        rows.append({"T": T, "path": name, "ms": ms, "GBps": moved / ms / 1e6})
+    ref = fla()
+    names = ("o", "h", "v_new", "S", "w", "qg", "kg")
+    diff = {"fused": {n: _rel(a, b) for n, a, b in zip(names, fused(True), ref)},
+            "wy": {n: _rel(a, b) for n, a, b in zip(names, one(True), ref)}}
+    diff["fused"]["o_nothing_kept"] = _rel(fused(False)[0], ref[0])
+    diff["wy"]["o_nothing_kept"] = _rel(one(False)[0], ref[0])
     return rows, diff
 
 
@@ -131,8 +154,9 @@ def main() -> None:
     print(f"{'T':>6} {'launches':<40} {'ms':>8} {'GB/s':>6}")
     for r in launches:
         print(f"{r['T']:>6} {r['path']:<40} {r['ms']:8.3f} {r['GBps']:6.0f}")
-    print("relative difference, fused against fla's launches:", {T: {n: f"{v:.1e}" for n, v in d.items()}
-                                                                 for T, d in diffs.items()})
+    for T, d in diffs.items():
+        for path, e in d.items():
+            print(f"relative difference from fla's launches, {path}, T={T}:", {n: f"{v:.1e}" for n, v in e.items()})
     print(f"{'T':>6} {'recurrence':<15} {'state kernel':<12} {'fwd+bwd ms':>10} {'/ chunk_kda':>11} "
           f"{'fwd ms':>8} {'/ chunk_kda':>11}")
     for r in recurrences:

@@ -5,8 +5,10 @@ Against fla's two launches (``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o
 ``o``, the kept states ``h`` and values ``v_new``, and the final state, to 1e-5 (relative), with T not a multiple of
 the chunk, ``K`` not a power of two, several value blocks, an initial state, and packed sequences (one of a single
 token, one of exactly a chunk); the launch that keeps no states gives the same output, and so does one that reads
-``qg`` instead of ``q`` and ``gc``. Then the asymmetric memory through KDA's rule (``kdn.ops.chunk.chunk_kda``) with
-the fused launch, against the float64 token recurrence (``kdn.ops.naive.memory_step``): output, final state and the
+``qg`` instead of ``q`` and ``gc``. ``chunk_wy_state_output`` (the WY terms too) against fla's three launches
+(``recompute_w_u_fwd`` first) on the same inputs, with two value blocks: ``o``, ``h``, ``v_new``, the final state and
+the kept ``w``, ``qg``, ``kg``. Then the asymmetric memory through KDA's rule (``kdn.ops.chunk.chunk_kda``) with each
+of our launches, against the float64 token recurrence (``kdn.ops.naive.memory_step``): output, final state and the
 gradient of every input; and its forward without gradients, which keeps nothing, gives the same output.
 """
 from __future__ import annotations
@@ -23,10 +25,11 @@ import torch.nn.functional as F
 sys.path.insert(0, "tests")
 import triton_interpret
 triton_interpret.enable("fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.ops.utils", "fla.ops.kda",
-                        "fla.ops.precond_kda.chunk")
+                        "fla.ops.precond_kda.chunk", "fla.ops.precond_kda.wy_fast")
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-from fla.ops.utils import chunk_local_cumsum
+from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
+from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 from fla.ops.utils.constant import RCP_LN2
 from kdn.ops import naive
 from kdn.ops.chunk import chunk_kda
@@ -79,10 +82,43 @@ for name, (B, T, H, K, V, cu, use_h0, bv) in cases.items():
                  "o_unsaved": rel_err(o3, o), "S_unsaved": rel_err(S3, S), "o_qg": rel_err(o4, o),
                  "unsaved_none": h3 is None and v3 is None}
 
-# the memory (KDA's rule) through the fused launch against the float64 recurrence, forward and every gradient
-os.environ["KDN_STATE_KERNEL"] = "fused"
+# the WY terms, states and output in one launch against fla's three launches
+wy_cases = {  # B, T, H, K, V, cu_seqlens, initial state, BV: two value blocks each (the first keeps the WY terms)
+    "wy_T77_K32_V64_h0": (2, 77, 2, 32, 64, None, True, 32),
+    "wy_T130_K96_V64": (1, 130, 1, 96, 64, None, False, 32),
+    "wy_varlen_K32_V64_h0": (1, 130, 2, 32, 64, torch.tensor([0, 1, 65, 130]), True, 32),
+}
+for name, (B, T, H, K, V, cu, use_h0, bv) in wy_cases.items():
+    use(BV=bv)
+    N = B if cu is None else len(cu) - 1
+    x = inputs(B, T, H, K, V, cu, N, seed=T + K + V + 1)
+    gen = torch.Generator().manual_seed(T + K)
+    rnd = lambda *s: torch.randn(*s, generator=gen)
+    k, kappa = rnd(B, T, H, K) * 0.3 / K ** 0.5, rnd(B, T, H, K) * 0.3 / K ** 0.5
+    v, beta = rnd(B, T, H, V), torch.rand(B, T, H, generator=gen) * 0.8 + 0.1
+    t = torch.arange(T)
+    starts = torch.zeros(T, dtype=torch.long) if cu is None else cu[torch.searchsorted(cu, t, right=True) - 1]
+    row = ((t - starts) % BT)[:, None, None]  # each token's row in its chunk
+    col = torch.arange(BT)
+    Akk = torch.where(col < row, rnd(B, T, H, BT) * 0.1, (col == row).float())  # the inverse: unit lower triangle
+    h0 = x["h0"] if use_h0 else None
+    ci = None if cu is None else prepare_chunk_indices(cu, BT)
+    w, u, qg, kg = recompute_w_u_fwd(k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=x["gc"], q=x["q"],
+                                     output_qg=True, output_kg=True, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new, S = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=x["gc"], initial_state=h0,
+                                               output_final_state=True, chunk_size=BT, cu_seqlens=cu)
+    o = chunk_gla_fwd_o_gk(q=x["q"], v=v_new, g=x["gc"], A=x["Aqk"], h=h, scale=0.37, cu_seqlens=cu, chunk_size=BT)
+    args = (x["q"], k, kappa, v, beta, x["gc"], Akk, x["Aqk"], 0.37, h0, True)
+    got = so.chunk_wy_state_output(*args, cu_seqlens=cu, chunk_indices=ci)
+    lean = so.chunk_wy_state_output(*args, save_states=False, cu_seqlens=cu)
+    out[name] = {n: rel_err(a, b) for n, a, b in zip(("o", "h", "v_new", "S", "w", "qg", "kg"), got,
+                                                      (o, h, v_new, S, w, qg, kg))}
+    out[name] |= {"o_unsaved": rel_err(lean[0], o), "S_unsaved": rel_err(lean[3], S),
+                  "unsaved_none": all(t is None for t in lean[1:3] + lean[4:])}
+
+# the memory (KDA's rule) through each of our launches against the float64 recurrence, forward and every gradient
 use(BV=32)
-B, T, H, K, V = 1, 70, 2, 32, 32
+B, T, H, K, V = 1, 70, 2, 32, 64
 x = make_inputs(B, T, H, K, V, seed=5)
 beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 0.8 + 0.1
 S0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -95,22 +131,26 @@ for t in range(T):
                                l64["v"][:, t], l64["g"][:, t], S)
     os_.append(o_t)
 o64 = torch.stack(os_, 1)
-o32, S32 = chunk_kda(l32["q"], l32["k"], l32["v"], l32["g"], l32["beta"], scale=0.41, initial_state=l32["S0"],
-                     output_final_state=True)
 gen = torch.Generator().manual_seed(8)
 do = torch.randn(o64.shape, generator=gen, dtype=torch.float64)
 dS = torch.randn(S.shape, generator=gen, dtype=torch.float64)
 g64 = torch.autograd.grad((o64 * do).sum() + (S * dS).sum(), list(l64.values()))
-g32 = torch.autograd.grad((o32 * do.float()).sum() + (S32 * dS.float()).sum(), list(l32.values()))
 import kdn.ops.triton.memory as memory
-kept, launch = [], memory.chunk_state_output
-memory.chunk_state_output = lambda *a, **kw: kept.append(kw["save_states"]) or launch(*a, **kw)
-chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])
-with torch.no_grad():
-    o_ng = chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])[0]
-out["memory"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S), "o_no_grad": rel_err(o_ng, o64)}
-out["states_kept"] = kept  # with gradients, then without
-out["memory"] |= {f"d{n}": rel_err(a, b) for n, a, b in zip(l64, g32, g64)}
+kept = []
+for kernel, fn in (("fused", "chunk_state_output"), ("wy", "chunk_wy_state_output")):
+    os.environ["KDN_STATE_KERNEL"] = kernel
+    o32, S32 = chunk_kda(l32["q"], l32["k"], l32["v"], l32["g"], l32["beta"], scale=0.41, initial_state=l32["S0"],
+                         output_final_state=True)
+    g32 = torch.autograd.grad((o32 * do.float()).sum() + (S32 * dS.float()).sum(), list(l32.values()))
+    launch = getattr(memory, fn)
+    setattr(memory, fn, lambda *a, launch=launch, **kw: kept.append((kernel, kw["save_states"])) or launch(*a, **kw))
+    chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])
+    with torch.no_grad():
+        o_ng = chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])[0]
+    setattr(memory, fn, launch)
+    out[f"memory_{kernel}"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S), "o_no_grad": rel_err(o_ng, o64)}
+    out[f"memory_{kernel}"] |= {f"d{n}": rel_err(a, b) for n, a, b in zip(l64, g32, g64)}
+out["states_kept"] = kept  # each launch with gradients, then without
 print(json.dumps(out))
 """
 
@@ -120,22 +160,37 @@ def errors() -> dict:
     return triton_interpret.run_interpreted(SCRIPT)
 
 
+def _launch_cases(errors: dict, prefix: str) -> dict:
+    return {n: e for n, e in errors.items() if n.startswith(prefix)}
+
+
 def test_fused_state_and_output_match_flas_two_launches(errors: dict) -> None:
-    cases = {n: e for n, e in errors.items() if n not in ("memory", "states_kept")}
+    cases = _launch_cases(errors, "T") | _launch_cases(errors, "varlen")
     assert set(cases) == {"T77_K32_V32_h0", "T130_K96_V64", "T70_K128_V64_h0", "varlen_K32_V64_h0"}
     for case, e in cases.items():
         assert e.pop("unsaved_none") is True, case  # the launch without the backward keeps neither h nor v_new
         assert max(e.values()) <= 1e-5, (case, e)
 
 
-def test_memory_through_the_fused_launch_matches_float64(errors: dict) -> None:
-    e = errors["memory"]
+def test_wy_state_and_output_match_flas_three_launches(errors: dict) -> None:
+    cases = _launch_cases(errors, "wy_")
+    assert set(cases) == {"wy_T77_K32_V64_h0", "wy_T130_K96_V64", "wy_varlen_K32_V64_h0"}
+    for case, e in cases.items():
+        assert e.pop("unsaved_none") is True, case  # nothing kept: no h, v_new, w, qg or kg
+        assert set(e) == {"o", "h", "v_new", "S", "w", "qg", "kg", "o_unsaved", "S_unsaved"}, case
+        assert max(e.values()) <= 1e-5, (case, e)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "wy"])
+def test_memory_through_our_launch_matches_float64(errors: dict, kernel: str) -> None:
+    e = errors[f"memory_{kernel}"]
     assert set(e) == {"o", "S", "o_no_grad", "dq", "dk", "dv", "dg", "dbeta", "dS0"}
     assert max(e.values()) <= 1e-4, e
 
 
 def test_a_forward_without_gradients_keeps_no_states(errors: dict) -> None:
-    assert errors["states_kept"] == [True, False]  # the fused launch writes h and v_new only for a backward
+    # our launches write h, v_new (and the WY terms) only for a backward
+    assert errors["states_kept"] == [["fused", True], ["fused", False], ["wy", True], ["wy", False]]
 
 
 @pytest.mark.parametrize("capability,want", [((9, 0), "fused"), ((10, 0), "fused"), ((8, 9), "fla")])

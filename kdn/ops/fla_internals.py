@@ -8,7 +8,7 @@ Two kinds:
   modules. ``from kdn.ops.fla_internals import exp2`` (or ``fla_internals.exp2``) resolves one when it is read, so
   that this package imports without fla, and a flag is read as fla holds it at that moment (the interpreter harness
   of the tests switches ``IS_GATHER_SUPPORTED`` off).
-- **launches** of fla's private ``@triton.jit`` kernels on our grids: the asymmetric memory's intra-chunk forward
+- **launches** of fla's private ``@triton.jit`` kernels on our grids: the asymmetric memory's intra-chunk matrices
   (:func:`asym_intra_fwd`) and, outside fla's safe envelope, its intra-chunk backward (:func:`asym_intra_bwd`).
 
 A name that fla moved or removed is refused in one line that names the pinned version.
@@ -88,14 +88,15 @@ def __getattr__(name: str) -> Any:
 
 
 def asym_intra_fwd(
-    q: Tensor, k: Tensor, kappa: Tensor, v: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
-    seqs: dict[str, Tensor | None], output_qg: bool, precise: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
-    """fla's ``chunk_precond_kda_fwd_intra`` (its three launches: the diagonal blocks, the fused inter-block + solve,
-    the WY representation) with a separate write key ``kappa [B,T,H,K]``, whose last launch also writes
-    ``qg = q exp2(gc)`` when ``output_qg`` (``None`` otherwise); ``safe``: fla's tensor-core diagonal blocks, else its
-    token loop; ``precise``: the TF32x3 copies (:func:`kdn.ops.triton.precision.maybe_precise`). Returns
-    ``(w, u, qg, kg, Aqk, Akk)``."""
+    q: Tensor, k: Tensor, kappa: Tensor, gc: Tensor, beta: Tensor, scale: float, safe: bool,
+    seqs: dict[str, Tensor | None], precise: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The intra-chunk matrices of fla's ``chunk_precond_kda_fwd_intra`` (its first two launches: the diagonal blocks,
+    the fused inter-block + solve) with a separate write key ``kappa [B,T,H,K]``; its third, the WY representation
+    (``recompute_w_u_fwd``), is the caller's (:func:`kdn.ops.triton.memory._asym_memory_fwd`). ``safe``: fla's
+    tensor-core diagonal blocks, else its token loop; ``precise``: the TF32x3 copies
+    (:func:`kdn.ops.triton.precision.maybe_precise`). Returns ``(Aqk, Akk)``, each ``[B,T,H,BT]`` in ``k``'s dtype
+    (``Akk`` the inverse of the key matrix, its strict upper triangle zero)."""
     import triton
 
     from kdn.ops.triton.precision import maybe_precise
@@ -120,9 +121,7 @@ def asym_intra_fwd(
     maybe_precise(resolve("chunk_precond_kda_fwd_kernel_inter_solve_fused"), precise)[(NT, B * H)](
         q=q, k=k, k_precond=kappa, g=gc, beta=beta, Aqk=Aqk, Akk_diag=Akk_diag, Akk=Akk, scale=scale, **seqs, T=T,
         H=H, K=K, BT=C, BC=BC, SOLVE_TRIL_DOT_PRECISION=resolve("DEFAULT_SOLVE_TRIL_PRECISION"), USE_SAFE_GATE=safe)
-    w, u, qg, kg = maybe_precise(resolve("recompute_w_u_fwd"), precise)(
-        k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=output_qg, output_kg=True, **seqs)
-    return w, u, qg, kg, Aqk, Akk
+    return Aqk, Akk
 
 
 def asym_intra_bwd(

@@ -1,8 +1,8 @@
 """The asymmetric memory on CUDA (docs/math.md §6): fla's KDA-style chunk-64 kernels with a separate write key.
 
 ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
-side, ``k`` on the read side. The forward is fla's intra-chunk launches (``fla.ops.precond_kda``), its chunk states
-and its output; the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
+side, ``k`` on the read side. The forward is fla's intra-chunk matrices (``fla.ops.precond_kda``), then its WY terms,
+chunk states and output, in fla's three launches or fewer of ours (:mod:`kdn.ops.triton.state_output`); the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
 fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra_tma` on sm_90, :mod:`kdn.ops.triton.intra`
 elsewhere), with the final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). fla's
 private launchers and kernels are reached through :mod:`kdn.ops.fla_internals`, which also holds the launches of
@@ -28,7 +28,7 @@ from kdn.ops.triton.intra import chunk_asym_bwd_intra
 from kdn.ops.triton.intra_tma import chunk_asym_bwd_intra_tma, tma_supported
 from kdn.ops.triton.precision import maybe_precise
 from kdn.ops.triton.safe_gate import SafeGate
-from kdn.ops.triton.state_output import chunk_state_output, state_output_kernel
+from kdn.ops.triton.state_output import chunk_state_output, chunk_wy_state_output, state_output_kernel
 from kdn.ops.triton.utils import kernel_choice
 from kdn.ops.validate import ASYM_CHUNK
 
@@ -92,9 +92,10 @@ def _asym_memory_fwd(
     tensor-core diagonal blocks were taken. Unless ``recompute_states``, ``saved`` holds the WY terms and chunk states
     the backward would otherwise recompute.
     ``gc``: ``g``'s cumulative sums within the chunks in log2 units, when already made (:mod:`kdn.ops.triton.gate`).
-    The chunk states and output: fla's two launches, or ours in one (:mod:`kdn.ops.triton.state_output`, which writes
-    ``h`` and ``v_new`` only when they are kept), as ``kernel`` (:func:`state_output_kernel`) chooses. A forward
-    without gradients passes ``recompute_states=True``: nothing is kept for a backward that will not run."""
+    After the intra-chunk matrices, as ``kernel`` (:func:`state_output_kernel`) chooses: fla's WY, chunk-state and
+    output launches; fla's WY launch, then the states and output in one (:mod:`kdn.ops.triton.state_output`); or all
+    three in one. Ours write ``h``, ``v_new`` (and the WY terms) only when they are kept: a forward without gradients
+    passes ``recompute_states=True``, and nothing is kept for a backward that will not run."""
     C = ASYM_CHUNK
     q, k, kappa, v = (x.contiguous() for x in (q, k, kappa, v))
     seqs = {"cu_seqlens": cu_seqlens,
@@ -105,11 +106,19 @@ def _asym_memory_fwd(
     beta = q.new_ones(q.shape[:3]) if beta is None else beta.contiguous()
     safe = bool(check)
     keep = not recompute_states
-    w, u, qg, kg, Aqk, Akk = fla_internals.asym_intra_fwd(q, k, kappa, v, gc, beta, scale, safe, seqs, keep, precise)
-    if state_output_kernel(kernel, q.device) == "fused":
+    Aqk, Akk = fla_internals.asym_intra_fwd(q, k, kappa, gc, beta, scale, safe, seqs, precise)
+    kernel = state_output_kernel(kernel, q.device)
+    if kernel == "wy":
+        o, h, v_new, S, w, qg, kg = maybe_precise(chunk_wy_state_output, precise)(
+            q, k, kappa, v, beta, gc, Akk, Aqk, scale, S0, output_final_state, save_states=keep, chunk_size=C,
+            **seqs)
+    else:
+        w, u, qg, kg = maybe_precise(fla_internals.recompute_w_u_fwd, precise)(
+            k=k, k_precond=kappa, v=v, beta=beta, A=Akk, gk=gc, q=q, output_qg=keep, output_kg=True, **seqs)
+    if kernel == "fused":
         o, h, v_new, S = maybe_precise(chunk_state_output, precise)(
             q, kg, w, u, gc, Aqk, scale, S0, output_final_state, save_states=keep, qg=qg, chunk_size=C, **seqs)
-    else:
+    elif kernel == "fla":
         h, v_new, S = maybe_precise(fla_internals.chunk_gated_delta_rule_fwd_h, precise)(
             k=kg, w=w, u=u, gk=gc, initial_state=S0, output_final_state=output_final_state, chunk_size=C, **seqs)
         o = maybe_precise(fla_internals.chunk_gla_fwd_o_gk, precise)(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale,
