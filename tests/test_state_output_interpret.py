@@ -7,8 +7,8 @@ the chunk, ``K`` not a power of two, several value blocks, an initial state, and
 token, one of exactly a chunk); the launch that keeps no states gives the same output, and so does one that reads
 ``qg`` instead of ``q`` and ``gc``. ``chunk_wy_state_output`` (the WY terms too) against fla's three launches
 (``recompute_w_u_fwd`` first) on the same inputs, with two value blocks: ``o``, ``h``, ``v_new``, the final state and
-the kept ``w``, ``qg``, ``kg``. Then the asymmetric memory through KDA's rule (``kdn.ops.chunk.chunk_kda``) with each
-of our launches, against the float64 token recurrence (``kdn.ops.naive.memory_step``): output, final state and the
+the kept ``w``, ``qg``, ``kg``. Then the asymmetric memory (its autograd node, a write key apart from the read key) with
+each of our launches, against the float64 token recurrence (``kdn.ops.naive.memory_step``): output, final state and the
 gradient of every input; and its forward without gradients, which keeps nothing, gives the same output.
 """
 from __future__ import annotations
@@ -32,7 +32,6 @@ from fla.ops.precond_kda.wy_fast import recompute_w_u_fwd
 from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 from fla.ops.utils.constant import RCP_LN2
 from kdn.ops import naive
-from kdn.ops.chunk import chunk_kda
 from kdn.ops.triton import state_output as so
 from kdn_inputs import make_inputs, rel_err
 
@@ -83,9 +82,9 @@ for name, (B, T, H, K, V, cu, use_h0, bv) in cases.items():
                  "unsaved_none": h3 is None and v3 is None}
 
 # the WY terms, states and output in one launch against fla's three launches
-wy_cases = {  # B, T, H, K, V, cu_seqlens, initial state, BV: two value blocks each (the first keeps the WY terms)
+wy_cases = {  # B, T, H, K, V, cu_seqlens, initial state, BV: two value blocks (the first keeps the WY terms) or one
     "wy_T77_K32_V64_h0": (2, 77, 2, 32, 64, None, True, 32),
-    "wy_T130_K96_V64": (1, 130, 1, 96, 64, None, False, 32),
+    "wy_T130_K96_V64": (1, 130, 1, 96, 64, None, False, 64),  # one value block: it keeps the WY terms
     "wy_varlen_K32_V64_h0": (1, 130, 2, 32, 64, torch.tensor([0, 1, 65, 130]), True, 32),
 }
 for name, (B, T, H, K, V, cu, use_h0, bv) in wy_cases.items():
@@ -116,18 +115,20 @@ for name, (B, T, H, K, V, cu, use_h0, bv) in wy_cases.items():
     out[name] |= {"o_unsaved": rel_err(lean[0], o), "S_unsaved": rel_err(lean[3], S),
                   "unsaved_none": all(t is None for t in lean[1:3] + lean[4:])}
 
-# the memory (KDA's rule) through each of our launches against the float64 recurrence, forward and every gradient
+# the asymmetric memory (a write key apart from the read key) through each of our launches against the float64
+# recurrence, forward and every gradient
 use(BV=32)
 B, T, H, K, V = 1, 70, 2, 32, 64
 x = make_inputs(B, T, H, K, V, seed=5)
 beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 0.8 + 0.1
 S0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-l64 = {"q": x["q"], "k": x["k"], "v": x["v"], "g": x["g"], "beta": beta, "S0": S0}
+kappa = F.normalize(torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(9), dtype=torch.float64), dim=-1)
+l64 = {"q": x["q"], "k": x["k"], "kappa": kappa, "v": x["v"], "g": x["g"], "beta": beta, "S0": S0}
 l64 = {n: t.clone().requires_grad_() for n, t in l64.items()}
 l32 = {n: t.detach().float().requires_grad_() for n, t in l64.items()}
 S, os_ = l64["S0"], []
 for t in range(T):
-    o_t, S = naive.memory_step(l64["q"][:, t] * 0.41, l64["k"][:, t], l64["beta"][:, t, :, None] * l64["k"][:, t],
+    o_t, S = naive.memory_step(l64["q"][:, t] * 0.41, l64["k"][:, t], l64["beta"][:, t, :, None] * l64["kappa"][:, t],
                                l64["v"][:, t], l64["g"][:, t], S)
     os_.append(o_t)
 o64 = torch.stack(os_, 1)
@@ -136,17 +137,24 @@ do = torch.randn(o64.shape, generator=gen, dtype=torch.float64)
 dS = torch.randn(S.shape, generator=gen, dtype=torch.float64)
 g64 = torch.autograd.grad((o64 * do).sum() + (S * dS).sum(), list(l64.values()))
 import kdn.ops.triton.memory as memory
+from kdn.ops.triton.safe_gate import safe_gate
+
+
+def asym(l):  # the memory's autograd node, as the KDNs call it (a forward without gradients keeps no states)
+    return memory._AsymmetricMemory.apply(*(l[n] for n in ("q", "k", "kappa", "v", "g", "beta", "S0")), 0.41, True,
+                                          None, safe_gate(l["g"]), not torch.is_grad_enabled(), False)
+
+
 kept = []
 for kernel, fn in (("fused", "chunk_state_output"), ("wy", "chunk_wy_state_output")):
     os.environ["KDN_STATE_KERNEL"] = kernel
-    o32, S32 = chunk_kda(l32["q"], l32["k"], l32["v"], l32["g"], l32["beta"], scale=0.41, initial_state=l32["S0"],
-                         output_final_state=True)
+    o32, S32 = asym(l32)
     g32 = torch.autograd.grad((o32 * do.float()).sum() + (S32 * dS.float()).sum(), list(l32.values()))
     launch = getattr(memory, fn)
     setattr(memory, fn, lambda *a, launch=launch, **kw: kept.append((kernel, kw["save_states"])) or launch(*a, **kw))
-    chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])
+    asym(l32)
     with torch.no_grad():
-        o_ng = chunk_kda(*(l32[n] for n in ("q", "k", "v", "g", "beta")), scale=0.41, initial_state=l32["S0"])[0]
+        o_ng = asym(l32)[0]
     setattr(memory, fn, launch)
     out[f"memory_{kernel}"] = {"o": rel_err(o32, o64), "S": rel_err(S32, S), "o_no_grad": rel_err(o_ng, o64)}
     out[f"memory_{kernel}"] |= {f"d{n}": rel_err(a, b) for n, a, b in zip(l64, g32, g64)}
@@ -184,7 +192,7 @@ def test_wy_state_and_output_match_flas_three_launches(errors: dict) -> None:
 @pytest.mark.parametrize("kernel", ["fused", "wy"])
 def test_memory_through_our_launch_matches_float64(errors: dict, kernel: str) -> None:
     e = errors[f"memory_{kernel}"]
-    assert set(e) == {"o", "S", "o_no_grad", "dq", "dk", "dv", "dg", "dbeta", "dS0"}
+    assert set(e) == {"o", "S", "o_no_grad", "dq", "dk", "dkappa", "dv", "dg", "dbeta", "dS0"}
     assert max(e.values()) <= 1e-4, e
 
 
