@@ -100,11 +100,12 @@ def _state_output_kernel(q, qg, gc, kg, w, u, k, kappa, v, beta, Akk, Aqk, h0, h
             b_qg = (b_q * exp2(b_g)).to(b_q.dtype)
             b_kp = tl.load(kappa + p_tk, mask=m_tk, other=0.0)
             b_kg = (b_kp * tl.where(m_t[:, None], exp2(b_gl[None, :] - b_g), 0)).to(b_kp.dtype)
-            if SAVE_STATES:
-                if i_v == 0:  # one program of the (sequence, head) keeps the WY terms for the backward
-                    tl.store(w + p_tk, b_w, mask=m_tk)
-                    tl.store(qg + p_tk, b_qg, mask=m_tk)
-                    tl.store(kg + p_tk, b_kg, mask=m_tk)
+            if SAVE_STATES:  # the first value block's program keeps the WY terms for the backward (a mask, not a
+                # branch: no control flow inside the pipelined chunk loop)
+                m_wy = m_tk & (i_v == 0)
+                tl.store(w + p_tk, b_w, mask=m_wy)
+                tl.store(qg + p_tk, b_qg, mask=m_wy)
+                tl.store(kg + p_tk, b_kg, mask=m_wy)
             b_kg = tl.trans(b_kg)
         else:
             b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
