@@ -2,13 +2,13 @@
 
 ``S_t = D_t S_{t-1} + beta_t kappa_t (v_t - k_t^T D_t S_{t-1})^T``, ``o_t = scale q_t^T S_t``: ``kappa`` on the write
 side, ``k`` on the read side. The forward is fla's intra-chunk matrices (``fla.ops.precond_kda``), then its WY terms,
-chunk states and output, in fla's three launches or fewer of ours (:mod:`kdn.ops.triton.state_output`); the backward is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside
-fla's safe envelope, the intra-chunk backward (:mod:`kdn.ops.triton.intra_tma` on sm_90, :mod:`kdn.ops.triton.intra`
-elsewhere), with the final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). fla's
-private launchers and kernels are reached through :mod:`kdn.ops.fla_internals`, which also holds the launches of
-its intra-chunk kernels on our grids. Both KDNs
-run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN gain, KDA's rule), and
-so does the KDA baseline (:func:`kdn.ops.chunk.chunk_kda`).
+chunk states and output, in fla's three launches or fewer of ours (:mod:`kdn.ops.triton.state_output`); the backward
+is fla's, except the inter-chunk + WY backward (:mod:`kdn.ops.triton.wy`) and, inside fla's safe envelope, the
+intra-chunk backward (:mod:`kdn.ops.triton.intra_tma` on sm_90, :mod:`kdn.ops.triton.intra` elsewhere), with the
+final chunk sums of ``dg`` left to the caller on request (:func:`_asym_intra_bwd`). fla's private launchers and
+kernels are reached through :mod:`kdn.ops.fla_internals`, which also holds the launches of its intra-chunk kernels
+on our grids. Both KDNs run it (Diagonal: ``kappa`` the Diagonal gain; Isotropic: ``kappa = k`` with ``beta`` the KDN
+gain, KDA's rule), and so does the KDA baseline (:func:`kdn.ops.chunk.chunk_kda`).
 
 ``recompute_states``: the backward needs the forward's WY terms (``w``, ``q exp2(gc)``, ``kg``) and chunk states
 (``h``, ``v_new``). ``False`` (the default): the forward keeps them, five more ``[B,T,H,K]``-sized bf16 tensors per

@@ -67,6 +67,8 @@ def _state_output_kernel(q, qg, gc, kg, w, u, k, kappa, v, beta, Akk, Aqk, h0, h
     o_kv = o_k[:, None] * V + o_v[None, :]
     o_r = tl.arange(0, BT)
     m_s = o_r[:, None] >= o_r[None, :]
+    # the first value block's program stores the WY terms: a mask, not a branch inside the pipelined chunk loop
+    m_first = tl.full([BK], i_v, tl.int64) == 0
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
@@ -95,14 +97,13 @@ def _state_output_kernel(q, qg, gc, kg, w, u, k, kappa, v, beta, Akk, Aqk, h0, h
             b_kb *= exp2(b_g)
             b_w = tl.dot(b_Akk, b_kb.to(b_k.dtype)).to(b_k.dtype)
             b_vv = tl.load(v + p_tv, mask=m_tv, other=0.0)
-            b_u = tl.dot(b_Akk, (b_vv * b_b[:, None]).to(b_vv.dtype), input_precision="tf32x3").to(b_vv.dtype)
+            b_u = tl.dot(b_Akk, (b_vv * b_b[:, None]).to(b_vv.dtype)).to(b_vv.dtype)
             b_q = tl.load(q + p_tk, mask=m_tk, other=0.0)
             b_qg = (b_q * exp2(b_g)).to(b_q.dtype)
             b_kp = tl.load(kappa + p_tk, mask=m_tk, other=0.0)
             b_kg = (b_kp * tl.where(m_t[:, None], exp2(b_gl[None, :] - b_g), 0)).to(b_kp.dtype)
-            if SAVE_STATES:  # the first value block's program keeps the WY terms for the backward (a mask, not a
-                # branch: no control flow inside the pipelined chunk loop)
-                m_wy = m_tk & (i_v == 0)
+            if SAVE_STATES:  # the first value block's program keeps the WY terms for the backward
+                m_wy = m_tk & m_first[None, :]
                 tl.store(w + p_tk, b_w, mask=m_wy)
                 tl.store(qg + p_tk, b_qg, mask=m_wy)
                 tl.store(kg + p_tk, b_kg, mask=m_wy)
