@@ -11,7 +11,9 @@ blocks run at ``ieee`` here).
 """
 from __future__ import annotations
 
+import atexit
 import builtins
+import functools
 import importlib
 import json
 import os
@@ -25,20 +27,35 @@ import triton.language as tl
 import triton.runtime.autotuner as autotuner
 import triton.runtime.interpreter as interpreter
 from conftest import timeout_s
+from forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
+# what every interpreted script imports, before any of this repository's code
+PRELOADED = ("numpy", "torch", "triton", "triton.language", "fla")
 _in_kernel = [0]
 
 
 def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
-    """Run ``script`` (``python -c``, with ``args``) in a fresh interpreter with ``TRITON_INTERPRET=1`` at the
-    repository root; it must print a JSON object as its last line, which is returned. ``timeout``: seconds on an idle
-    machine, scaled by the suite's factor (``conftest.timeout_s``)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s(timeout))
+    """Run ``script`` (``python -c``, with ``args``) in a process of its own with ``TRITON_INTERPRET=1`` at the
+    repository root (a fork of :func:`_server`, which imported :data:`PRELOADED`); it must print a JSON object as its
+    last line, which is returned. ``timeout``: seconds on an idle machine, scaled by the suite's factor
+    (``conftest.timeout_s``)."""
+    proc = _server().run(script, args, _env(), ROOT, timeout_s(timeout))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+
+
+@functools.cache
+def _server() -> ForkServer:
+    """This test process's fork server for :func:`run_interpreted`: the scripts' common third-party imports, done
+    once under ``TRITON_INTERPRET=1``."""
+    server = ForkServer(PRELOADED, _env(), ROOT)
+    atexit.register(server.close)
+    return server
 
 
 _MANY = r"""
@@ -58,7 +75,7 @@ print(json.dumps(out))
 
 def run_interpreted_many(scripts: dict[str, tuple[str, ...]], timeout: float = 600) -> dict[str, dict]:
     """Run several scripts of :func:`run_interpreted`, each ``(script, *args)`` by name, one after another in one
-    fresh interpreter: torch, Triton and fla start once for a module's tests, not once a test. Returns each one's
+    process: the kernels a module's cases share are interpreted in one process, not once a test. Returns each one's
     JSON object by name; one that raised gives ``{"error": its traceback}`` (:func:`result` raises it)."""
     return run_interpreted(_MANY, json.dumps(scripts), timeout=timeout)
 
