@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
 from conftest import timeout_s
+from forkserver import command_env, commands
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -197,9 +196,7 @@ def test_slurm_launcher_config_composes() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s(300))
+    return commands().run(["train.py", *args], command_env(WANDB_MODE="disabled"), ROOT, timeout_s(300))
 
 
 def test_cli_rejects_bad_values_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:

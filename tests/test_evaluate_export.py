@@ -3,14 +3,13 @@ a SHA-256 that differs from its export.json) is never loaded; the next evaluatio
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import timeout_s
 from eval_fixtures import export_toy_run
+from forkserver import command_env, commands
 
 from eval.harness import load_model
 from eval.model_dir import EXPORT_MANIFEST, export_complete, resolve
@@ -85,8 +84,7 @@ def test_a_damaged_file_of_a_finished_export_is_detected(checkpoint: tuple[Path,
 def test_an_evaluation_killed_while_exporting_leaves_nothing_loadable(
         checkpoint: tuple[Path, torch.nn.Module]) -> None:
     ckpt, model = checkpoint
-    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(ckpt)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s(300))
+    proc = commands().run(["-c", KILLED_EXPORT, str(ckpt)], command_env(), ROOT, timeout_s(300))
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not export_complete(ckpt)
     assert any(ckpt.glob(".hf.*.tmp"))  # the half-written export, under its temp name

@@ -30,7 +30,8 @@ def test_each_script_gets_its_arguments_environment_and_working_directory_in_a_f
         server: ForkServer, tmp_path: Path) -> None:
     import json
 
-    runs = [server.run(SCRIPT, ("a", str(i)), {**os.environ, "KDN_PROBE": f"v{i}"}, tmp_path, 60) for i in (1, 2)]
+    runs = [server.run(["-c", SCRIPT, "a", str(i)], {**os.environ, "KDN_PROBE": f"v{i}"}, tmp_path, 60)
+            for i in (1, 2)]
     outs = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
     assert [r.returncode for r in runs] == [0, 0] and runs[0].stdout.startswith("noise\n")
     assert [o["argv"] for o in outs] == [["-c", "a", "1"], ["-c", "a", "2"]]
@@ -43,12 +44,52 @@ def test_each_script_gets_its_arguments_environment_and_working_directory_in_a_f
                                                  ("import sys; sys.exit('refused')", 1, "refused")])
 def test_a_failing_script_gives_its_exit_code_and_stderr(server: ForkServer, script: str, code: int,
                                                          message: str) -> None:
-    proc = server.run(script, (), dict(os.environ), Path.cwd(), 60)
+    proc = server.run(["-c", script], dict(os.environ), Path.cwd(), 60)
     assert proc.returncode == code and message in proc.stderr
-    assert server.run("print(1)", (), dict(os.environ), Path.cwd(), 60).stdout == "1\n"  # the server lives on
+    assert server.run(["-c", "print(1)"], dict(os.environ), Path.cwd(), 60).stdout == "1\n"  # the server lives on
 
 
 def test_a_script_past_its_limit_is_killed_and_the_server_serves_the_next(server: ForkServer) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
-        server.run("import time; time.sleep(600)", (), dict(os.environ), Path.cwd(), 0.5)
-    assert server.run("print(2)", (), dict(os.environ), Path.cwd(), 60).stdout == "2\n"
+        server.run(["-c", "import time; time.sleep(600)"], dict(os.environ), Path.cwd(), 0.5)
+    assert server.run(["-c", "print(2)"], dict(os.environ), Path.cwd(), 60).stdout == "2\n"
+
+
+def test_modules_and_script_paths_run_as_main_with_their_argv_path_and_exit_handlers(server: ForkServer,
+                                                                                     tmp_path: Path) -> None:
+    import json
+
+    body = ("import atexit, json, sys\nprint(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'name': __name__}))\n"
+            "atexit.register(lambda: print('bye'))\n")
+    (tmp_path / "probe_mod.py").write_text(body)
+    script = tmp_path / "sub" / "probe_script.py"
+    script.parent.mkdir()
+    script.write_text(body)
+    env = dict(os.environ)
+    mod = server.run(["-m", "probe_mod", "x=1"], env, tmp_path, 60)
+    path = server.run([str(script), "y=2"], env, tmp_path, 60)
+    for proc, argv, path0 in ((mod, [str(tmp_path / "probe_mod.py"), "x=1"], ""), (path, [str(script), "y=2"],
+                                                                                     str(script.parent))):
+        out = proc.stdout.splitlines()
+        assert proc.returncode == 0 and out[-1] == "bye", proc.stderr
+        assert json.loads(out[0]) == {"argv": argv, "path0": path0, "name": "__main__"}
+
+
+def test_jobs_run_side_by_side_and_take_signals(server: ForkServer, tmp_path: Path) -> None:
+    """The first job waits for a file that only the second writes: they must run at once."""
+    import signal
+
+    flag = tmp_path / "flag"
+    waiter = server.start(["-c", f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\n"
+                                 "print('seen')"], dict(os.environ), tmp_path)
+    writer = server.start(["-c", f"open({str(flag)!r}, 'w').close()"], dict(os.environ), tmp_path)
+    assert writer.wait(60) == 0 and waiter.communicate(60) == ("seen\n", "")
+    sleeper = server.start(["-c", "import signal; signal.pause()"], dict(os.environ), tmp_path)
+    assert sleeper.poll() is None
+    sleeper.send_signal(signal.SIGTERM)
+    assert sleeper.wait(60) == -signal.SIGTERM
+
+
+def test_a_job_with_another_pythonpath_is_refused(server: ForkServer) -> None:
+    with pytest.raises(ValueError, match="PYTHONPATH="):
+        server.start(["-c", "pass"], {**os.environ, "PYTHONPATH": "/elsewhere"}, Path.cwd())

@@ -1,12 +1,11 @@
 """``-m gpu`` runs import only the test modules that hold GPU tests (tests/conftest.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 from conftest import pytest_ignore_collect, timeout_s
+from forkserver import command_env, commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,9 +30,8 @@ def test_a_gpu_run_skips_modules_without_gpu_tests(tmp_path: Path) -> None:
 
 def test_the_gpu_selection_of_this_suite_collects_without_errors() -> None:
     """Every GPU test of the suite is collected under ``-m gpu``, and no module fails to import."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p",
-                           "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s(120))
+    proc = commands().run(["-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                          command_env(), ROOT, timeout_s(120))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
     assert "tests/test_kdn_precision_gpu.py::" in proc.stdout

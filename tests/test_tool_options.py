@@ -5,14 +5,13 @@ the real commands too."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import pytest
 from conftest import timeout_s
+from forkserver import Forked, command_env, commands
 from omegaconf import OmegaConf
 
 from common.options import OptionError, did_you_mean, from_dict, parse_options, parse_value
@@ -151,9 +150,8 @@ def test_an_empty_hub_haystack_is_refused_in_one_line() -> None:
         load_ruler_haystack(evaluate.compose(["model=x", "ruler.haystack=hub:"]).ruler)
 
 
-def _run(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def _run(args: list[str]) -> Forked:
+    return commands().start(args, command_env(), ROOT)
 
 
 def test_every_tool_refuses_typos_and_bad_values_in_one_line_through_its_command(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, timeout_s
+from forkserver import Forked, command_env, commands
 from hydra import compose, initialize_config_dir
 
 from trainer.config import TrainConfig, load_config
@@ -180,10 +180,9 @@ def test_profile_window_writes_a_summary_and_trace(tmp_path: Path, shards: list[
         make_cfg(TOY + ["logging.profile.steps=-1"])
 
 
-def _cli(args: list[str], **kw: object) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+def _cli(args: list[str]) -> Forked:
+    """``python *args`` with its stderr in its stdout."""
+    return commands().start(args, command_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1"), ROOT, merge_stderr=True)
 
 
 def test_sigusr1_saves_at_step_boundary_and_requeues(tmp_path: Path, shards: list[str]) -> None:

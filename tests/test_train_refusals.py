@@ -3,14 +3,13 @@ command, ``config.yaml`` and ``fingerprint.json`` are written only once the comm
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from conftest import timeout_s
+from forkserver import command_env, commands
 from toy_run import ROOT, TOY, make_cfg, run_train
 
 from trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, write_manifest
@@ -23,9 +22,8 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s(300))
+    return commands().run(["train.py", *args], command_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1"), ROOT,
+                          timeout_s(300))
 
 
 def test_a_refused_command_leaves_hydra_files_and_records_as_they_were(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # what every interpreted script imports, before any of this repository's code
-PRELOADED = ("numpy", "torch", "triton", "triton.language", "fla")
+PRELOADED = ("numpy", "torch", "torch.nn.attention.flex_attention", "transformers", "triton", "triton.language", "fla")
 _in_kernel = [0]
 
 
@@ -40,7 +40,7 @@ def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
     repository root (a fork of :func:`_server`, which imported :data:`PRELOADED`); it must print a JSON object as its
     last line, which is returned. ``timeout``: seconds on an idle machine, scaled by the suite's factor
     (``conftest.timeout_s``)."""
-    proc = _server().run(script, args, _env(), ROOT, timeout_s(timeout))
+    proc = _server().run(["-c", script, *args], _env(), ROOT, timeout_s(timeout))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
