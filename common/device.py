@@ -7,14 +7,19 @@ different CPU machines compare as one device class rather than by processor stri
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from common.options import OptionError
+
+if TYPE_CHECKING:  # imported by the functions: the launchers and sweeps import common and never touch a tensor
+    import torch
 
 
 def resolve_device(name: str, key: str = "device") -> torch.device:
     """The ``torch.device`` for ``name`` (``auto``, ``cpu``, ``cuda`` or ``cuda:N``); ``key`` names the option in the
     one-line :class:`OptionError` raised for a name that is no device or a CUDA device this machine lacks."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -28,5 +33,7 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
 
 def device_name(device: torch.device | str) -> str:
     """``"NVIDIA H200"``-style name of a CUDA device, else the device's type (``"cpu"``)."""
+    import torch
+
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

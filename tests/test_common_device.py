@@ -49,3 +49,16 @@ def test_trainer_and_mqar_resolve_through_it(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ConfigError, match=r"^trainer\.device='cuda' but no CUDA device is visible: use "
                                           r"trainer\.device=auto or trainer\.device=cpu$"):
         device_and_precision(TrainerConfig(device="cuda"))
+
+
+def test_the_launchers_start_without_torch() -> None:
+    """``slurm.launch`` (one per node of every job), ``slurm.sweep`` and ``slurm.status`` only start processes and read
+    files: importing them (and ``common``) must not import torch, about 2 s of each start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = "import sys, common, slurm.launch, slurm.sweep, slurm.status; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
