@@ -140,7 +140,8 @@ KERNELS = ("auto", "wy", "fused", "fla")
 
 def state_output_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:
     """Which launches follow the memory's intra-chunk matrices on ``device``: ``"wy"`` (:func:`chunk_wy_state_output`:
-    the WY terms, chunk states and output in one launch), ``"fused"`` (fla's WY launch, then
+    the WY terms, chunk states and output in one launch; not yet verified on a GPU, docs/results/recurrence.md),
+    ``"fused"`` (fla's WY launch, then
     :func:`chunk_state_output`) or ``"fla"`` (fla's three). ``kernel`` ``"auto"`` (the default) takes ``"fused"`` on
     sm_90 and later, where it was measured faster (docs/results/recurrence.md), fla's elsewhere; None reads
     ``KDN_STATE_KERNEL``."""
