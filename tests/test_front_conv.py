@@ -101,6 +101,8 @@ CASES = {  # dtype, B, T, H, K, V, passed-through columns, packed lengths
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.lean_device_calls()
 """ + CHECK + r"""
 cases, step_cases = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 tiles = {"tokens_fwd": 16, "tokens_bwd": 8}  # several programs along the tokens, some token blocks ending mid-sequence

@@ -205,6 +205,8 @@ def test_bad_input_gets_one_line_errors() -> None:
 INPLACE_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.lean_device_calls()
 from kdn.ops import fused_recurrent
 from kdn_inputs import make_inputs, make_state, rel_err
 

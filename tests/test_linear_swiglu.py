@@ -133,6 +133,8 @@ SCRIPT = r"""
 import json, sys, torch
 import torch.nn.functional as F
 sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.lean_device_calls()
 from kdn.modules.swiglu import swiglu_joint
 from kdn_inputs import rel_err
 

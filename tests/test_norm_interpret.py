@@ -12,6 +12,8 @@ triton_interpret = pytest.importorskip("triton_interpret")  # tests/triton_inter
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
+import triton_interpret
+triton_interpret.lean_device_calls()
 from kdn.modules.norm import add_rms_norm
 from kdn_inputs import rel_err
 

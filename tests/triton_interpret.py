@@ -7,7 +7,9 @@ indices of ``range`` are plain ints inside interpreted kernels while fla calls `
 modules get a ``range`` that yields int32 scalars while a kernel runs); fla's alias of ``tl.gather`` is not
 patched by the interpreter (fla's modules see ``IS_GATHER_SUPPORTED = False``, so its kernels load the row
 instead of gathering it); and the interpreter's dot has no ``bf16x3`` precision (fla's safe-gate diagonal
-blocks run at ``ieee`` here).
+blocks run at ``ieee`` here). :func:`lean_device_calls` (part of :func:`enable`, or alone for kernels that need
+none of the bridges) removes a cost, not a gap: the interpreter's repeated patching of the language on every device
+function call.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # what every interpreted script imports, before any of this repository's code
 PRELOADED = ("numpy", "torch", "torch.nn.attention.flex_attention", "transformers", "triton", "triton.language", "fla")
 _in_kernel = [0]
+_patched: set[int] = set()  # the language modules patched in the running launch (ids)
 
 
 def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
@@ -119,23 +122,48 @@ def kernel_range(*args: int) -> Iterable:
     return (_scalar(i) for i in builtins.range(*(int(a) for a in args)))
 
 
-def enable(*modules: str) -> None:
-    """Patch the interpreter for fla; import ``modules`` (fla ops or layers) first so that they are patched."""
-    run, call = autotuner.Autotuner.run, interpreter.GridExecutor.__call__
+def lean_device_calls() -> None:
+    """Count the running kernel launches (for :func:`kernel_range`) and skip the interpreter's repeated patching.
 
-    def first_config(self: autotuner.Autotuner, *args: object, **kwargs: object) -> object:
-        self.configs = self.configs[:1]
-        return run(self, *args, **kwargs)
+    Every call of a device function (fla's ``exp2``, its helpers) re-patches every builtin of ``triton.language``
+    (``inspect.getmembers`` over each module): about a third of an interpreted kernel's time. Within a launch a
+    repeat changes nothing (patched members are no longer builtins), so it is skipped for the modules the launch
+    patched already. Installed once per process, however often it is called."""
+    if getattr(interpreter.GridExecutor.__call__, "counts_launches", False):
+        return
+    call, patch_lang = interpreter.GridExecutor.__call__, interpreter._patch_lang
 
     def counted(self: interpreter.GridExecutor, *args: object, **kwargs: object) -> object:
         _in_kernel[0] += 1
+        _patched.clear()
         try:
             return call(self, *args, **kwargs)
         finally:
             _in_kernel[0] -= 1
 
-    autotuner.Autotuner.run = first_config
+    def patch_once(fn: Callable) -> interpreter._LangPatchScope:
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if _in_kernel[0] and langs <= _patched:
+            return interpreter._LangPatchScope()
+        _patched.update(langs)
+        return patch_lang(fn)
+
+    counted.counts_launches = True
     interpreter.GridExecutor.__call__ = counted
+    interpreter._patch_lang = patch_once
+
+
+def enable(*modules: str) -> None:
+    """Patch the interpreter for fla (and :func:`lean_device_calls`); import ``modules`` (fla ops or layers) first so
+    that they are patched."""
+    run = autotuner.Autotuner.run
+
+    def first_config(self: autotuner.Autotuner, *args: object, **kwargs: object) -> object:
+        self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+    lean_device_calls()
     for name in modules:
         importlib.import_module(name)
     for name, mod in list(sys.modules.items()):
