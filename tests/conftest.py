@@ -76,9 +76,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # The files that take longest on the 2-core machine (docs/testing.md, "Where the time goes"), longest first. Handed to
 # the xdist workers first (scripts/test.sh passes --no-loadscope-reorder, which keeps this order), so that the short
 # files fill the end and neither worker idles while the other finishes a long one. Order only: no test is skipped.
-LONGEST_FIRST = ("test_kdn_triton_interpret.py", "test_kdn_fla_interpret.py", "test_kdn_precision_interpret.py",
-                 "test_slurm.py", "test_bench_tools.py", "test_kdn_varlen_interpret.py", "test_mixers_fla_interpret.py",
-                 "test_tool_options.py", "test_train_loop.py", "test_gpu_collection.py")
+LONGEST_FIRST = ("test_slurm.py", "test_bench_tools.py", "test_kdn_triton_interpret.py", "test_train_loop.py",
+                 "test_mqar.py", "test_kdn_varlen_interpret.py", "test_kdn_fla_interpret.py", "test_slurm_unknown.py",
+                 "test_kdn_precision_interpret.py", "test_models.py", "test_config.py", "test_run_identity.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,10 +18,10 @@ def server() -> Iterator[ForkServer]:
 
 
 SCRIPT = r"""
-import json, os, sys
+import json, os, signal, sys
 print("noise")
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "probe": os.environ.get("KDN_PROBE"), "pid": os.getpid(),
-                  "seen": "earlier" in globals()}))
+                  "seen": "earlier" in globals(), "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL}))
 earlier = 1
 """
 
@@ -37,6 +37,7 @@ def test_each_script_gets_its_arguments_environment_and_working_directory_in_a_f
     assert [o["argv"] for o in outs] == [["-c", "a", "1"], ["-c", "a", "2"]]
     assert [o["probe"] for o in outs] == ["v1", "v2"] and {o["cwd"] for o in outs} == {str(tmp_path)}
     assert outs[0]["pid"] != outs[1]["pid"] != os.getpid() and not any(o["seen"] for o in outs)
+    assert all(o["sigchld"] for o in outs)  # the server's own SIGCHLD handler is not inherited
 
 
 @pytest.mark.parametrize("script,code,message", [("raise ValueError('bad input')", 1, "ValueError: bad input"),

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import timeout_s
+from forkserver import ROOT, command_env, commands
 from kdn_inputs import rel_err
 
 import kdn
@@ -234,10 +232,10 @@ print(json.dumps({"env_changed": sorted(k for k in set(before) | set(after_kdn) 
 def test_every_kdn_module_imports_alone_and_import_kdn_leaves_the_environment() -> None:
     """``import kdn`` neither sets nor changes an environment variable, and every module of the package imports first,
     with no other ``kdn`` module loaded (an import cycle would leave one of them half-initialised)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
-    out = subprocess.run([sys.executable, "-c", IMPORT_ALL], env={**env, "PYTHONPATH": str(root)}, cwd=root,
-                         capture_output=True, text=True, check=True, timeout=timeout_s(300)).stdout
+    env = {k: v for k, v in command_env().items() if not k.startswith("FLA_")}
+    proc = commands().run(["-c", IMPORT_ALL], env, ROOT, timeout_s(300))  # the server imports no kdn module
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     res = json.loads(out.strip().splitlines()[-1])
     assert res["env_changed"] == [] and res["failed"] == {}, res
     assert {"kdn.ops.api", "kdn.ops.chunk", "kdn.ops.torch_chunk", "kdn.modules.front_end",

@@ -143,7 +143,7 @@ def lean_device_calls() -> None:
 
     def patch_once(fn: Callable) -> interpreter._LangPatchScope:
         langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
-        if _in_kernel[0] and langs <= _patched:
+        if langs <= _patched:  # a device function's call (the launch's own patching cleared the set)
             return interpreter._LangPatchScope()
         _patched.update(langs)
         return patch_lang(fn)
