@@ -198,7 +198,7 @@ class ForkServer:
             out, err = job.communicate(timeout)
         except subprocess.TimeoutExpired:
             job.kill()
-            job.wait()
+            job.wait(timeout)
             raise
         return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 

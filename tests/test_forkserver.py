@@ -12,7 +12,7 @@ from forkserver import ForkServer
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ForkServer]:
-    s = ForkServer(("json",), dict(os.environ), Path.cwd())
+    s = ForkServer(("json",), {**os.environ, "KDN_SERVER_ONLY": "1"}, Path.cwd())
     yield s
     s.close()
 
@@ -21,6 +21,7 @@ SCRIPT = r"""
 import json, os, signal, sys
 print("noise")
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "probe": os.environ.get("KDN_PROBE"), "pid": os.getpid(),
+                  "server_only": os.environ.get("KDN_SERVER_ONLY"),
                   "seen": "earlier" in globals(), "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL}))
 earlier = 1
 """
@@ -36,6 +37,7 @@ def test_each_script_gets_its_arguments_environment_and_working_directory_in_a_f
     assert [r.returncode for r in runs] == [0, 0] and runs[0].stdout.startswith("noise\n")
     assert [o["argv"] for o in outs] == [["-c", "a", "1"], ["-c", "a", "2"]]
     assert [o["probe"] for o in outs] == ["v1", "v2"] and {o["cwd"] for o in outs} == {str(tmp_path)}
+    assert [o["server_only"] for o in outs] == [None, None]  # the caller's environment, not the server's
     assert outs[0]["pid"] != outs[1]["pid"] != os.getpid() and not any(o["seen"] for o in outs)
     assert all(o["sigchld"] for o in outs)  # the server's own SIGCHLD handler is not inherited
 
@@ -50,9 +52,15 @@ def test_a_failing_script_gives_its_exit_code_and_stderr(server: ForkServer, scr
     assert server.run(["-c", "print(1)"], dict(os.environ), Path.cwd(), 60).stdout == "1\n"  # the server lives on
 
 
-def test_a_script_past_its_limit_is_killed_and_the_server_serves_the_next(server: ForkServer) -> None:
+def test_a_script_past_its_limit_is_killed_and_the_server_serves_the_next(server: ForkServer,
+                                                                          tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    script = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)"
     with pytest.raises(subprocess.TimeoutExpired):
-        server.run(["-c", "import time; time.sleep(600)"], dict(os.environ), Path.cwd(), 0.5)
+        server.run(["-c", script], dict(os.environ), Path.cwd(), 0.5)
+    if pid_file.exists():  # it started before its limit: it is gone now
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
     assert server.run(["-c", "print(2)"], dict(os.environ), Path.cwd(), 60).stdout == "2\n"
 
 
@@ -94,3 +102,9 @@ def test_jobs_run_side_by_side_and_take_signals(server: ForkServer, tmp_path: Pa
 def test_a_job_with_another_pythonpath_is_refused(server: ForkServer) -> None:
     with pytest.raises(ValueError, match="PYTHONPATH="):
         server.start(["-c", "pass"], {**os.environ, "PYTHONPATH": "/elsewhere"}, Path.cwd())
+
+
+def test_a_merged_job_writes_its_stderr_into_its_stdout(server: ForkServer) -> None:
+    job = server.start(["-c", "import sys; print('out', flush=True); print('err', file=sys.stderr)"],
+                       dict(os.environ), Path.cwd(), merge_stderr=True)
+    assert job.communicate(60) == ("out\nerr\n", "")
