@@ -176,8 +176,10 @@ class ForkServer:
         if env.get("PYTHONPATH") != self._pythonpath:
             raise ValueError(f"PYTHONPATH={env.get('PYTHONPATH')!r}: this fork server's sys.path was made from "
                              f"PYTHONPATH={self._pythonpath!r}; start the job with that or use subprocess")
-        kind, target, rest = ("c", args[1], args[2:]) if args[0] == "-c" else ("m", args[1], args[2:]) \
-            if args[0] == "-m" else ("path", args[0], args[1:])
+        if args[0] in ("-c", "-m"):
+            kind, target, rest = args[0][1], args[1], args[2:]
+        else:
+            kind, target, rest = "path", args[0], args[1:]
         with self._lock:
             self._jobs += 1
             files = {n: Path(self._tmp.name) / f"{self._jobs}.{n}" for n in ("stdout", "stderr", "status")}
@@ -216,12 +218,18 @@ COMMAND_MODULES = ("numpy", "torch", "torch.nn.attention.flex_attention", "trans
 
 
 @functools.cache
-def commands() -> ForkServer:
-    """This test process's fork server for the repository's commands (``train.py``, ``python -m eval.mqar``, ...),
-    with ``PYTHONPATH`` the repository root: jobs pass ``env`` with that ``PYTHONPATH`` (:func:`command_env`)."""
-    server = ForkServer(COMMAND_MODULES, command_env(), ROOT)
+def shared(modules: tuple[str, ...], **extra_env: str) -> ForkServer:
+    """This test process's one fork server that imported ``modules`` in :func:`command_env` ``(**extra_env)`` at the
+    repository root, started on first use and stopped at exit."""
+    server = ForkServer(modules, command_env(**extra_env), ROOT)
     atexit.register(server.close)
     return server
+
+
+def commands() -> ForkServer:
+    """The fork server for the repository's commands (``train.py``, ``python -m eval.mqar``, ...), with
+    ``PYTHONPATH`` the repository root: jobs pass ``env`` with that ``PYTHONPATH`` (:func:`command_env`)."""
+    return shared(COMMAND_MODULES)
 
 
 def command_env(**extra: str) -> dict[str, str]:

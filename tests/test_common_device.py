@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import timeout_s
 
 from common import OptionError, device_name, resolve_device
 
@@ -60,5 +61,5 @@ def test_the_launchers_start_without_torch() -> None:
 
     probe = "import sys, common, slurm.launch, slurm.sweep, slurm.status; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout_s(120))
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import timeout_s
-from forkserver import ROOT, command_env, commands
+from forkserver import ROOT, commands
 from kdn_inputs import rel_err
 
 import kdn
@@ -235,7 +235,7 @@ def test_every_kdn_module_imports_alone_and_import_kdn_leaves_the_environment() 
     with no other ``kdn`` module loaded (an import cycle would leave one of them half-initialised)."""
     # a minimal environment: this process imported kdn already, so a variable it set would be in os.environ here
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "OMP_NUM_THREADS")}
-    env["PYTHONPATH"] = command_env()["PYTHONPATH"]
+    env["PYTHONPATH"] = str(ROOT)
     proc = commands().run(["-c", IMPORT_ALL], env, ROOT, timeout_s(300))  # the server imports no kdn module
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

@@ -13,9 +13,7 @@ function call.
 """
 from __future__ import annotations
 
-import atexit
 import builtins
-import functools
 import importlib
 import json
 import os
@@ -29,9 +27,8 @@ import triton.language as tl
 import triton.runtime.autotuner as autotuner
 import triton.runtime.interpreter as interpreter
 from conftest import timeout_s
-from forkserver import ForkServer
+from forkserver import ROOT, command_env, shared
 
-ROOT = Path(__file__).resolve().parents[1]
 # what every interpreted script imports, before any of this repository's code
 PRELOADED = ("numpy", "torch", "torch.nn.attention.flex_attention", "transformers", "triton", "triton.language", "fla")
 _in_kernel = [0]
@@ -40,25 +37,13 @@ _patched: set[int] = set()  # the language modules patched in the running launch
 
 def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
     """Run ``script`` (``python -c``, with ``args``) in a process of its own with ``TRITON_INTERPRET=1`` at the
-    repository root (a fork of :func:`_server`, which imported :data:`PRELOADED`); it must print a JSON object as its
-    last line, which is returned. ``timeout``: seconds on an idle machine, scaled by the suite's factor
-    (``conftest.timeout_s``)."""
-    proc = _server().run(["-c", script, *args], _env(), ROOT, timeout_s(timeout))
+    repository root (a fork of the fork server that imported :data:`PRELOADED` under ``TRITON_INTERPRET=1``); it must
+    print a JSON object as its last line, which is returned. ``timeout``: seconds on an idle machine, scaled by the
+    suite's factor (``conftest.timeout_s``)."""
+    proc = shared(PRELOADED, TRITON_INTERPRET="1").run(["-c", script, *args], command_env(TRITON_INTERPRET="1"),
+                                                       ROOT, timeout_s(timeout))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-
-
-@functools.cache
-def _server() -> ForkServer:
-    """This test process's fork server for :func:`run_interpreted`: the scripts' common third-party imports, done
-    once under ``TRITON_INTERPRET=1``."""
-    server = ForkServer(PRELOADED, _env(), ROOT)
-    atexit.register(server.close)
-    return server
 
 
 _MANY = r"""
